@@ -1,0 +1,68 @@
+"""Public paged attention: ``unified_attention`` (ragged prefill + decode, spec §6)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kvjax import dispatch
+from kvjax import validation as V
+from kvjax.reference import attention as ref
+from kvjax.spec import KVCacheSpec
+
+
+def check_attention_args(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens, block_table,
+                         sliding_window, soft_cap, sinks):
+  spec.num_blocks_of(cache)
+  if q.ndim != 3:
+    raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+  t, hq, d = q.shape
+  if d != spec.head_size:
+    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
+  if hq % spec.num_kv_heads:
+    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={spec.num_kv_heads}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise TypeError(f"q must be floating point, got {q.dtype}")
+  qsl = V.check_int_array("query_start_loc", query_start_loc, 1)
+  sl = V.check_int_array("seq_lens", seq_lens, 1)
+  bt = V.check_int_array("block_table", block_table, 2)
+  if qsl.shape[0] != sl.shape[0] + 1 or bt.shape[0] != sl.shape[0]:
+    raise ValueError(f"query_start_loc [S+1], seq_lens [S] and block_table [S, M] disagree on S: "
+                     f"{qsl.shape}, {sl.shape}, {bt.shape}")
+  if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  if soft_cap is not None and not soft_cap > 0:
+    raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
+  if sinks is not None and tuple(jnp.shape(sinks)) != (hq,):
+    raise ValueError(f"sinks must have shape [{hq}] (one per query head), got {jnp.shape(sinks)}")
+  if V.is_concrete(sl) and V.is_concrete(bt) and sl.size:
+    cap = bt.shape[1] * spec.block_size
+    if int(jnp.max(sl)) > cap:
+      raise ValueError(f"a seq_len exceeds block_table capacity {bt.shape[1]} blocks x "
+                       f"{spec.block_size} = {cap}")
+
+
+def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
+                      scale, causal=True, sliding_window=None, soft_cap=None, sinks=None,
+                      k_scale=None, v_scale=None, max_query_len=None, impl: str = "auto",
+                      interpret=None):
+  """Ragged paged attention over the packed cache (decodes and prefills in one batch).
+
+  Arguments as :func:`kvjax.reference.unified_attention`, plus:
+    max_query_len: optional static upper bound on any sequence's query length
+      (Python int); kernels bucket it to a power of two so serving steps reuse
+      compiled programs. None = T (always correct).
+    impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None = on CPU).
+  Returns ``[T, Hq, D]`` in q's dtype.
+  """
+  check_attention_args(q, cache, spec, query_start_loc, seq_lens, block_table, sliding_window,
+                       soft_cap, sinks)
+  V.check_scales(spec, k_scale, v_scale)
+  k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
+  impl, interpret = dispatch.choose(impl, interpret)
+  kwargs = dict(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                scale=scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap,
+                sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+  if impl == "reference":
+    return ref.unified_attention(q, cache, spec, **kwargs)
+  from pallas_kernels import attention
+  return attention.unified_attention(q, cache, spec, max_query_len=max_query_len,
+                                     interpret=interpret, **kwargs)

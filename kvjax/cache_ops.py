@@ -1,0 +1,53 @@
+"""Public cache writes and reads: ``write_kv`` and ``read_kv`` (spec §4, §5)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kvjax import dispatch
+from kvjax import validation as V
+from kvjax.reference import cache_update as ref
+from kvjax.spec import KVCacheSpec
+from kvjax.views import dequantize_pages
+
+
+def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None, v_scale=None,
+             impl: str = "auto", interpret=None):
+  """Write new tokens' K/V into the cache by slot mapping; returns the new cache.
+
+  Args:
+    cache: the spec's physical array (``spec.physical_shape(B)``, ``spec.storage_dtype``).
+    key, value: ``[T', H, D]`` in ``spec.dtype``; only the first ``len(slot_mapping)``
+      tokens are written.
+    slot_mapping: int ``[T]``: ``block * block_size + offset``; negative = skip.
+    k_scale, v_scale: global scales (fp8 per-tensor: scalar or [H]; nvfp4: scalar).
+    impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None = on CPU).
+  Pure: under ``jax.jit`` with the cache donated, the write happens in place.
+  Quantize-on-write for every cache dtype; blocks not named by a slot are untouched.
+  """
+  num_blocks = spec.num_blocks_of(cache)
+  slot_mapping = V.check_slots(slot_mapping, num_blocks * spec.block_size)
+  V.check_kv_tokens(spec, key, value, slot_mapping.shape[0])
+  V.check_scales(spec, k_scale, v_scale)
+  k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
+  impl, interpret = dispatch.choose(impl, interpret)
+  if impl == "reference":
+    return ref.write_kv(cache, key, value, slot_mapping, spec, k_scale, v_scale)
+  from pallas_kernels import cache_update
+  return cache_update.write_kv(cache, key, value, slot_mapping, spec, k_scale=k_scale,
+                               v_scale=v_scale, interpret=interpret)
+
+
+def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None):
+  """Dequantized K and V of the given slots: two float32 ``[len(slots), H, D]`` arrays."""
+  num_blocks = spec.num_blocks_of(cache)
+  slots = V.check_slots(slots, num_blocks * spec.block_size)
+  if V.is_concrete(slots) and slots.size and int(jnp.min(slots)) < 0:
+    raise ValueError("read_kv slots must be non-negative")
+  V.check_scales(spec, k_scale, v_scale)
+  k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
+  slots = slots.astype(jnp.int32)
+  pages = cache[slots // spec.block_size]
+  k, v = dequantize_pages(pages, spec, k_scale, v_scale)       # [T, N, H, D]
+  t = jnp.arange(slots.shape[0])
+  off = slots % spec.block_size
+  return k[t, off], v[t, off]

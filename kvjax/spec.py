@@ -1,0 +1,331 @@
+"""The packed paged KV-cache layout as a static, hashable spec (spec §1–§3).
+
+Notation: B = num_blocks, H = num_kv_heads, N = block_size, D = head_size,
+C = content dim. The *logical* shape is vLLM's ``(B, H, N, C)``; the *physical*
+array (the JAX value that flows) is its permutation by the stride order:
+NHD -> ``(B, N, H, C)``, HND -> ``(B, H, N, C)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import formats as F
+
+LAYOUTS = ("NHD", "HND")
+_STRIDE_ORDER = {"NHD": (0, 2, 1, 3), "HND": (0, 1, 2, 3)}
+_STRIDE_ORDER_WITH_LAYERS = {"NHD": (1, 0, 3, 2, 4), "HND": (1, 2, 0, 3, 4)}
+
+
+def check_layout(layout: str) -> str:
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r} is not a KV-cache layout; expected one of {LAYOUTS}")
+  return layout
+
+
+def get_kv_cache_stride_order(layout: str = "NHD",
+                              include_num_layers_dimension: bool = False) -> Tuple[int, ...]:
+  """``stride_order[i]`` = the logical dim stored at physical position i (spec §2)."""
+  check_layout(layout)
+  table = _STRIDE_ORDER_WITH_LAYERS if include_num_layers_dimension else _STRIDE_ORDER
+  return table[layout]
+
+
+def _check_positive_int(name, value):
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+def _check_geometry(fmt: F.CacheFormat, block_size: int, head_size: int, num_kv_heads: int):
+  _check_positive_int("num_kv_heads", num_kv_heads)
+  _check_positive_int("head_size", head_size)
+  _check_positive_int("block_size", block_size)
+  if block_size % 16:
+    raise ValueError(f"block_size={block_size} must be a multiple of 16")
+  if fmt.kind == F.PER_TOKEN_HEAD:
+    if fmt.quant == "int4" and head_size % 4:
+      raise ValueError(f"head_size={head_size} must be a multiple of 4 for {fmt.name}")
+    if head_size % 2:
+      raise ValueError(f"head_size={head_size} must be even for {fmt.name}")
+  if fmt.kind == F.NVFP4:
+    if head_size % 16:
+      raise ValueError(f"head_size={head_size} must be a multiple of 16 for nvfp4")
+
+
+def _row_widths(fmt: F.CacheFormat, head_size: int, itemsize: int):
+  """(data elements per side row, padded elements per side row) in storage units."""
+  d = head_size
+  if fmt.kind == F.PER_TOKEN_HEAD:
+    data = d // 2 if fmt.quant == "int4" else d
+    return data, data + 4 // itemsize
+  if fmt.kind == F.NVFP4:
+    return d // 2, d // 2 + d // 16
+  return d, d
+
+
+def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                       cache_dtype: str = "auto") -> Tuple[int, int, int, int]:
+  """vLLM's logical cache shape ``(B, H, N, C)`` (``(B, 2H, N, D/2 + D/16)`` for nvfp4)."""
+  fmt = F.get_format(cache_dtype)
+  _check_positive_int("num_blocks", num_blocks)
+  _check_geometry(fmt, block_size, head_size, num_kv_heads)
+  itemsize = 1 if fmt.storage is None else fmt.storage.itemsize  # PLAIN rows ignore it
+  _, padded = _row_widths(fmt, head_size, itemsize)
+  if fmt.kind == F.NVFP4:
+    return (num_blocks, 2 * num_kv_heads, block_size, padded)
+  return (num_blocks, num_kv_heads, block_size, 2 * padded)
+
+
+def get_mla_kv_cache_shape(num_blocks: int, block_size: int, head_size: int) -> Tuple[int, int, int]:
+  """MLA's latent cache: ``(B, N, D_latent)``, 3-D, no head axis (e.g. D_latent = 576)."""
+  _check_positive_int("num_blocks", num_blocks)
+  _check_positive_int("head_size", head_size)
+  _check_positive_int("block_size", block_size)
+  if block_size % 16:
+    raise ValueError(f"block_size={block_size} must be a multiple of 16")
+  return (num_blocks, block_size, head_size)
+
+
+def contiguous_strides(shape) -> Tuple[int, ...]:
+  strides, acc = [], 1
+  for n in reversed(shape):
+    strides.append(acc)
+    acc *= n
+  return tuple(reversed(strides))
+
+
+@dataclasses.dataclass(frozen=True)
+class ViewGeometry:
+  """A strided view over the cache's flat storage: shape, element strides, element offset.
+
+  Units are elements of ``dtype`` (the storage dtype, or float32 for scale views).
+  """
+  shape: Tuple[int, ...]
+  strides: Tuple[int, ...]
+  offset: int
+  dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+  """Static description of one layer's packed paged KV cache.
+
+  Frozen and hashable: pass it as a static argument to ``jax.jit``.
+
+  Attributes:
+    num_kv_heads: H, KV heads on this device / tensor-parallel rank.
+    head_size: D.
+    block_size: N, tokens per page; a multiple of 16.
+    cache_dtype: a key of :data:`kvjax.formats.CACHE_FORMATS`.
+    layout: "NHD" (default) or "HND".
+    dtype: the model's K/V dtype (bfloat16, float16 or float32).
+  """
+  num_kv_heads: int
+  head_size: int
+  block_size: int
+  cache_dtype: str = "auto"
+  layout: str = "NHD"
+  dtype: object = jnp.bfloat16
+
+  def __post_init__(self):
+    fmt = F.get_format(self.cache_dtype)
+    check_layout(self.layout)
+    try:
+      dt = np.dtype(self.dtype)
+    except TypeError as e:
+      raise TypeError(f"dtype={self.dtype!r} is not a dtype") from e
+    if dt not in F.MODEL_DTYPES:
+      raise TypeError(f"dtype={dt} must be one of {[str(d) for d in F.MODEL_DTYPES]}")
+    object.__setattr__(self, "dtype", dt)
+    _check_geometry(fmt, self.block_size, self.head_size, self.num_kv_heads)
+    if fmt.kind == F.NVFP4 and self.layout != "HND":
+      raise ValueError(
+          "nvfp4 caches need layout='HND': each side's [data | scales] split is exact only "
+          "when the (heads, tokens) block of a page is contiguous (spec §5)")
+
+  # -- formats ---------------------------------------------------------------------------
+  @property
+  def format(self) -> F.CacheFormat:
+    return F.get_format(self.cache_dtype)
+
+  @property
+  def storage_dtype(self) -> np.dtype:
+    """dtype of the cache array."""
+    return self.format.storage_dtype(self.dtype)
+
+  @property
+  def itemsize(self) -> int:
+    return self.storage_dtype.itemsize
+
+  @property
+  def data_dim(self) -> int:
+    """Storage elements of data in one side row (D, or D/2 for int4 and nvfp4)."""
+    return _row_widths(self.format, self.head_size, self.itemsize)[0]
+
+  @property
+  def padded_head_size(self) -> int:
+    """Storage elements of one side row, scale slot included (``padded_hs``)."""
+    return _row_widths(self.format, self.head_size, self.itemsize)[1]
+
+  @property
+  def num_scales_per_row(self) -> int:
+    """NVFP4: e4m3 scales per (head, token) row, S = D/16."""
+    return self.head_size // 16
+
+  # -- shapes ----------------------------------------------------------------------------
+  def logical_shape(self, num_blocks: int, num_layers: Optional[int] = None) -> Tuple[int, ...]:
+    shape = get_kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size,
+                               self.cache_dtype)
+    return shape if num_layers is None else (_check_positive_int("num_layers", num_layers),) + shape
+
+  def stride_order(self, include_num_layers_dimension: bool = False) -> Tuple[int, ...]:
+    return get_kv_cache_stride_order(self.layout, include_num_layers_dimension)
+
+  def physical_shape(self, num_blocks: int, num_layers: Optional[int] = None) -> Tuple[int, ...]:
+    """Shape of the contiguous array that holds the cache (the JAX value that flows)."""
+    logical = self.logical_shape(num_blocks, num_layers)
+    return tuple(logical[i] for i in self.stride_order(num_layers is not None))
+
+  @property
+  def content_dim(self) -> int:
+    return self.logical_shape(1)[-1]
+
+  @property
+  def head_slots(self) -> int:
+    """Size of the logical head axis: H, or 2H for nvfp4 (K heads then V heads)."""
+    return self.logical_shape(1)[1]
+
+  @property
+  def page_bytes(self) -> int:
+    """Bytes of one block (page) of one layer."""
+    return math.prod(self.logical_shape(1)[1:]) * self.itemsize
+
+  def logical_strides(self, num_blocks: int, num_layers: Optional[int] = None) -> Tuple[int, ...]:
+    """Element strides of the logical view over the contiguous physical array."""
+    order = self.stride_order(num_layers is not None)
+    phys = contiguous_strides(self.physical_shape(num_blocks, num_layers))
+    strides = [0] * len(order)
+    for pos, dim in enumerate(order):
+      strides[dim] = phys[pos]
+    return tuple(strides)
+
+  # -- views (spec §3) ---------------------------------------------------------------------
+  def kv_view_geometry(self, num_blocks: int):
+    """(K, V) data views: ``logical.transpose(1, 2)`` split on the last dim.
+
+    Shape ``(B, N, H, padded_hs)`` for per-token-head modes (data in the first
+    ``data_dim`` elements), ``(B, N, H, D)`` otherwise; V at offset D (or padded_hs).
+    NVFP4 views are per side: see :meth:`nvfp4_split_geometry`.
+    """
+    if self.format.kind == F.NVFP4:
+      raise ValueError("nvfp4 K/V are head groups, not content halves: use nvfp4_split_geometry")
+    s0, s1, s2, s3 = self.logical_strides(num_blocks)
+    w = self.padded_head_size
+    shape = (num_blocks, self.block_size, self.num_kv_heads, w)
+    strides = (s0, s2, s1, s3)
+    dt = self.storage_dtype
+    return ViewGeometry(shape, strides, 0, dt), ViewGeometry(shape, strides, w, dt)
+
+  def scale_view_geometry(self, num_blocks: int):
+    """(K-scale, V-scale) float32 ``(B, N, H)`` views of per-token-head caches."""
+    if self.format.kind != F.PER_TOKEN_HEAD:
+      raise ValueError(f"cache_dtype={self.cache_dtype!r} has no per-token-head scales")
+    s0, s1, s2, _ = self.logical_strides(num_blocks)
+    ds = self.itemsize
+    strides = tuple(s * ds // 4 for s in (s0, s2, s1))
+    shape = (num_blocks, self.block_size, self.num_kv_heads)
+    f32 = np.dtype(np.float32)
+    k_off = self.data_dim * ds // 4
+    v_off = (self.padded_head_size + self.data_dim) * ds // 4
+    return ViewGeometry(shape, strides, k_off, f32), ViewGeometry(shape, strides, v_off, f32)
+
+  def nvfp4_split_geometry(self, num_blocks: int, side: str):
+    """(data, scale) views of one nvfp4 side ("k" or "v"), spec §5.
+
+    data: uint8 ``(B, H, N, D/2)``; scales: e4m3 ``(B, H, N, D/16)``.
+    """
+    if self.format.kind != F.NVFP4:
+      raise ValueError(f"cache_dtype={self.cache_dtype!r} is not nvfp4")
+    if side not in ("k", "v"):
+      raise ValueError(f"side={side!r} must be 'k' or 'v'")
+    s0, s1, s2, _ = self.logical_strides(num_blocks)
+    h, n, f = self.num_kv_heads, self.block_size, self.padded_head_size
+    side_off = 0 if side == "k" else h * s1
+    return nvfp4_split_strided((num_blocks, h, n, f), (s0, s1, s2, 1), side_off)
+
+  # -- allocation --------------------------------------------------------------------------
+  def allocate(self, num_blocks: int, num_layers: Optional[int] = None, *, sharding=None,
+               fill=0) -> jax.Array:
+    """A new physical cache array filled with ``fill`` (zeros by default).
+
+    Shape :meth:`physical_shape`, dtype :attr:`storage_dtype`. With ``sharding``
+    (e.g. a ``NamedSharding`` over a ``tp`` mesh axis) it is created sharded.
+    """
+    shape = self.physical_shape(num_blocks, num_layers)
+    make = lambda: jnp.full(shape, fill, self.storage_dtype)
+    if sharding is None:
+      return make()
+    return jax.jit(make, out_shardings=sharding)()
+
+  def num_blocks_of(self, cache) -> int:
+    """Validate that ``cache`` is this spec's physical array (one layer) and return B."""
+    shape = getattr(cache, "shape", None)
+    dtype = getattr(cache, "dtype", None)
+    if shape is None or len(shape) != 4:
+      raise ValueError(f"cache must be a 4-D physical cache array, got shape {shape}")
+    if np.dtype(dtype) != self.storage_dtype:
+      raise TypeError(f"cache dtype {np.dtype(dtype)} is not the spec's storage dtype "
+                      f"{self.storage_dtype} (cache_dtype={self.cache_dtype!r})")
+    expected = self.physical_shape(shape[0])
+    if tuple(shape) != expected:
+      raise ValueError(f"cache shape {tuple(shape)} is not the spec's physical shape {expected} "
+                       f"(layout={self.layout}, cache_dtype={self.cache_dtype!r})")
+    return shape[0]
+
+
+def nvfp4_split_strided(shape, strides, offset):
+  """Data and scale geometry of one nvfp4 side given as a (P, d1, d2, F) uint8 view.
+
+  data_dim = F*8//9, scale_dim = F - data_dim; data strides scale s1, s2 by
+  data_dim/F at ``offset``; scales start at ``offset + d1*d2*data_dim``.
+  """
+  p, d1, d2, f = shape
+  s0, s1, s2, _ = strides
+  data_dim = f * 8 // 9
+  scale_dim = f - data_dim
+  u8 = np.dtype(np.uint8)
+  data = ViewGeometry((p, d1, d2, data_dim), (s0, s1 * data_dim // f, s2 * data_dim // f, 1),
+                      offset, u8)
+  scale = ViewGeometry((p, d1, d2, scale_dim), (s0, s1 * scale_dim // f, s2 * scale_dim // f, 1),
+                       offset + d1 * d2 * data_dim, np.dtype(jnp.float8_e4m3fn))
+  return data, scale
+
+
+@dataclasses.dataclass(frozen=True)
+class MLACacheSpec:
+  """MLA's latent cache: one ``(B, N, D_latent)`` array per layer, model dtype, no heads."""
+  latent_dim: int = 576
+  block_size: int = 16
+  dtype: object = jnp.bfloat16
+
+  def __post_init__(self):
+    get_mla_kv_cache_shape(1, self.block_size, self.latent_dim)
+    object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+  def physical_shape(self, num_blocks: int) -> Tuple[int, int, int]:
+    return get_mla_kv_cache_shape(num_blocks, self.block_size, self.latent_dim)
+
+  logical_shape = physical_shape
+
+  @property
+  def page_bytes(self) -> int:
+    return self.block_size * self.latent_dim * self.dtype.itemsize
+
+  def allocate(self, num_blocks: int, *, fill=0) -> jax.Array:
+    return jnp.full(self.physical_shape(num_blocks), fill, self.dtype)
