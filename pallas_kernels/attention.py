@@ -1,0 +1,21 @@
+"""Dispatch of paged attention to its Pallas kernels (one entry for kvjax.unified_attention)."""
+from __future__ import annotations
+
+
+def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table, scale,
+                      causal=True, sliding_window=None, soft_cap=None, sinks=None, k_scale=None,
+                      v_scale=None, max_query_len=None, interpret=False):
+  """Pallas paged attention. Arguments as :func:`kvjax.unified_attention` (already validated).
+
+  ``max_query_len == 1`` (a pure decode batch, one query token per sequence and
+  ``T == S``) takes the decode kernel; anything else the ragged kernel.
+  """
+  kwargs = dict(seq_lens=seq_lens, block_table=block_table, scale=scale,
+                sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
+                v_scale=v_scale, interpret=interpret)
+  if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
+    from pallas_kernels.decode_attention import paged_decode_attention
+    return paged_decode_attention(q, cache, spec, **kwargs)
+  from pallas_kernels.ragged_attention import ragged_paged_attention
+  return ragged_paged_attention(q, cache, spec, query_start_loc=query_start_loc, causal=causal,
+                                max_query_len=max_query_len, **kwargs)
