@@ -1,0 +1,151 @@
+"""Paged decode attention over the packed cache: one query token per sequence (spec §6).
+
+Entry point :func:`paged_decode_attention`. The kernel
+(:mod:`pallas_kernels.decode_triton`) reads the physical cache directly (K and
+V of a token in the same step, dequantized in the kernel) and returns
+per-split partials; this module prepares the query, merges the splits and the
+sinks, and restores the output layout. Works under ``jax.jit``: ``seq_lens`` and
+``block_table`` may be traced; shapes, ``scale``, window and soft cap are static.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import formats as F
+from kvjax.spec import KVCacheSpec
+from pallas_kernels.decode_config import DEFAULT_CONFIG, DecodeConfig, choose_num_splits
+from pallas_kernels.decode_formats import TileFormat, next_pow2
+from pallas_kernels.decode_triton import decode_partials
+
+
+def _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks):
+  if not isinstance(spec, KVCacheSpec):
+    raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
+  spec.num_blocks_of(cache)
+  if q.ndim != 3:
+    raise ValueError(f"q must be [S, Hq, D], got shape {tuple(q.shape)}")
+  s, hq, d = q.shape
+  if d != spec.head_size:
+    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
+  if hq % spec.num_kv_heads:
+    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={spec.num_kv_heads}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise TypeError(f"q must be floating point, got {q.dtype}")
+  for name, x, nd in (("seq_lens", seq_lens, 1), ("block_table", block_table, 2)):
+    if jnp.ndim(x) != nd:
+      raise ValueError(f"{name} must be {nd}-D, got shape {jnp.shape(x)}")
+    if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+      raise TypeError(f"{name} must have an integer dtype, got {jnp.asarray(x).dtype}")
+  if jnp.shape(seq_lens)[0] != s or jnp.shape(block_table)[0] != s:
+    raise ValueError(f"q [S={s}, ...], seq_lens {jnp.shape(seq_lens)} and block_table "
+                     f"{jnp.shape(block_table)} disagree on S (decode: one query per sequence)")
+  if jnp.shape(block_table)[1] < 1:
+    raise ValueError("block_table needs at least one column")
+  if sliding_window is not None and (isinstance(sliding_window, bool)
+                                     or not isinstance(sliding_window, (int, np.integer))
+                                     or sliding_window <= 0):
+    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  if soft_cap is not None and not float(soft_cap) > 0:
+    raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
+  if sinks is not None and tuple(jnp.shape(sinks)) != (hq,):
+    raise ValueError(f"sinks must have shape [{hq}] (one per query head), got {jnp.shape(sinks)}")
+
+
+def _tensor_scales(spec: KVCacheSpec, k_scale, v_scale):
+  """float32 ``[2, H]``: the k and v global scales per KV head (ones when the format has none)."""
+  h = spec.num_kv_heads
+  rows = []
+  for sc in (k_scale, v_scale):
+    if sc is None or not spec.format.has_tensor_scales:
+      rows.append(jnp.ones((h,), jnp.float32))
+      continue
+    sc = jnp.asarray(sc, jnp.float32)
+    if sc.size == 1:
+      sc = jnp.broadcast_to(sc.reshape(()), (h,))
+    elif sc.shape != (h,) or spec.format.kind == F.NVFP4:
+      raise ValueError(f"scale must be a scalar{' or [H]' if spec.format.kind != F.NVFP4 else ''}"
+                       f" for cache_dtype={spec.cache_dtype!r}, got shape {sc.shape}")
+    rows.append(sc)
+  return jnp.stack(rows)
+
+
+def _prepare_q(q, tf: TileFormat, num_heads: int, gp: int):
+  """``[S, Hq, D]`` -> ``[S, H, Gp, parts * W]`` in the compute dtype (zero padded)."""
+  s, hq, d = q.shape
+  g = hq // num_heads
+  x = q.reshape(s, num_heads, g, d).astype(tf.compute_dtype)
+  parts = (x[..., 0::2], x[..., 1::2]) if tf.split else (x,)
+  w = tf.part_width
+  parts = [jnp.pad(p, ((0, 0), (0, 0), (0, gp - g), (0, w - p.shape[-1]))) for p in parts]
+  return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+
+def merge_splits(acc, m, l, sinks, num_groups: int):
+  """Combine split partials into normalized outputs.
+
+  acc ``[S, H, K, Gp, X]``, m, l ``[S, H, K, Gp]`` float32; sinks float32 ``[H, G]`` or None.
+  Returns float32 ``[S, H, G, X]``; rows with no visible key are 0.
+  """
+  acc, m, l = acc[..., :num_groups, :], m[..., :num_groups], l[..., :num_groups]
+  m_max = jnp.max(m, axis=2)                                     # [S, H, G]
+  if sinks is not None:
+    m_max = jnp.maximum(m_max, sinks[None])
+  wgt = jnp.exp(m - m_max[:, :, None])                           # [S, H, K, G]
+  lsum = jnp.sum(wgt * l, axis=2)
+  denom = lsum
+  if sinks is not None:
+    denom = denom + jnp.exp(sinks[None] - m_max)
+  out = jnp.sum(wgt[..., None] * acc, axis=2)
+  safe = jnp.where(lsum > 0, denom, 1.0)
+  return jnp.where((lsum > 0)[..., None], out / safe[..., None], 0.0)
+
+
+def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table, scale,
+                           sliding_window: Optional[int] = None, soft_cap=None, sinks=None,
+                           k_scale=None, v_scale=None, interpret: bool = False,
+                           config: Optional[DecodeConfig] = None):
+  """Decode attention (causal, query at position seq_len - 1) over the packed paged cache.
+
+  Args:
+    q: ``[S, Hq, D]``, one query token per sequence; Hq a multiple of H.
+    cache: the spec's physical array (``spec.physical_shape(B)``, storage dtype).
+    spec: static :class:`kvjax.KVCacheSpec` (layout, cache dtype, geometry).
+    seq_lens: int32 ``[S]`` (0 = no keys: output 0); block_table: int32 ``[S, M]``.
+    scale: softmax scale (Python float). sliding_window: W or None; soft_cap: c or None.
+    sinks: float32 ``[Hq]`` per-query-head sink logits or None.
+    k_scale, v_scale: global scales (fp8 per-tensor: scalar or [H]; nvfp4: scalar).
+    interpret: Pallas interpret mode (CPU tests).
+    config: static :class:`DecodeConfig` (None = defaults).
+  Returns:
+    ``[S, Hq, D]`` in q's dtype.
+  """
+  _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks)
+  config = DEFAULT_CONFIG if config is None else config
+  s, hq, d = q.shape
+  h = spec.num_kv_heads
+  g = hq // h
+  tf = TileFormat.of(spec, q.dtype)
+  gp = max(16, next_pow2(g))
+  num_blocks = cache.shape[0]
+  max_blocks = jnp.shape(block_table)[1]
+  splits = choose_num_splits(config, s, h, max_blocks, spec.block_size)
+  qp = _prepare_q(q, tf, h, gp)
+  pages = cache.reshape(num_blocks, tf.page_elems)
+  acc, m, l = decode_partials(
+      qp, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(block_table, jnp.int32),
+      _tensor_scales(spec, k_scale, v_scale), pages, tf=tf, config=config,
+      num_splits=splits, scale=float(scale),
+      window=None if sliding_window is None else int(sliding_window),
+      soft_cap=None if soft_cap is None else float(soft_cap), interpret=bool(interpret))
+  sink_hg = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(h, g)
+  out = merge_splits(acc, m, l, sink_hg, g)                      # [S, H, G, parts * W]
+  if tf.split:
+    w, dh = tf.part_width, d // 2
+    out = jnp.stack([out[..., :dh], out[..., w:w + dh]], axis=-1).reshape(s, h, g, d)
+  else:
+    out = out[..., :d]
+  return out.reshape(s, hq, d).astype(q.dtype)

@@ -1,0 +1,143 @@
+"""The Pallas (Triton lowering) paged decode kernel over the packed cache.
+
+One program per (sequence, KV head, split). A program walks its share of the
+sequence's visible tokens in steps of T tokens (several pages): per step it
+gathers the block ids of the T tokens from the block table, loads the K rows
+and V rows of those tokens from the flat pages (K and V of a token in the same
+step, so every cache line fetched is used), scores the padded query group
+``[Gp, D]`` against K with one dot, updates an online softmax and accumulates
+``p @ V``. It writes unnormalized partials (acc, running max m, sum l) that
+:func:`merge_splits` combines (with the sinks) in XLA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.decode_config import DecodeConfig
+from pallas_kernels.decode_formats import TileFormat
+
+#: Finite "minus infinity" for masked scores (avoids inf - inf = NaN).
+NEG = -1e30
+
+
+def _decode_kernel(q_ref, sl_ref, bt_ref, ts_ref, cache_ref, acc_ref, m_ref, l_ref, *,
+                   tf: TileFormat, step_tokens: int, num_splits: int, num_blocks: int,
+                   max_blocks: int, scale: float, window, soft_cap, prefetch: bool):
+  s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  t_step, n = step_tokens, tf.block_size
+  w = tf.part_width
+  seq_len = sl_ref[s]
+  lo_tok = jnp.int32(0) if window is None else jnp.maximum(seq_len - window, 0)
+  lo_step = lo_tok // t_step
+  hi_step = (seq_len + t_step - 1) // t_step
+  per = (jnp.maximum(hi_step - lo_step, 0) + num_splits - 1) // num_splits
+  start = lo_step + split * per
+  stop = jnp.minimum(start + per, hi_step)
+
+  q_parts = tuple(q_ref[:, j * w:(j + 1) * w] for j in range(tf.num_parts))
+  qsum = sum(jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q_parts)
+  k_scale = ts_ref[0, h]
+  v_scale = ts_ref[1, h]
+  iota = jnp.arange(t_step, dtype=jnp.int32)
+
+  def visible(i):
+    tok = i * t_step + iota
+    return tok, (tok < seq_len) & (tok >= lo_tok)
+
+  def load_step(i, in_range):
+    tok, valid = visible(i)
+    valid = valid & in_range
+    bidx = jnp.minimum(tok // n, max_blocks - 1)
+    blk = pltriton.load(bt_ref.at[(s, bidx)])
+    blk = jnp.clip(blk, 0, num_blocks - 1)
+    return tf.load_kv(cache_ref, blk, tok % n, h, valid)
+
+  def update(i, tiles, m, l, accs):
+    _, valid = visible(i)
+    sc = tf.scores(q_parts, qsum, tiles, k_scale) * scale
+    if soft_cap is not None:
+      sc = soft_cap * jnp.tanh(sc / soft_cap)
+    sc = jnp.where(valid[None, :], sc, NEG)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
+    l_new = l * alpha + jnp.sum(p, axis=1)
+    parts = tf.values(p, tiles, v_scale)
+    accs = tuple(a * alpha[:, None] + o for a, o in zip(accs, parts))
+    return m_new, l_new, accs
+
+  gp = q_ref.shape[0]
+  m0 = jnp.full((gp,), NEG, jnp.float32)
+  l0 = jnp.zeros((gp,), jnp.float32)
+  accs0 = tuple(jnp.zeros((gp, w), jnp.float32) for _ in range(tf.num_parts))
+
+  if prefetch:
+    def body(i, carry):
+      m, l, accs, tiles = carry
+      nxt = load_step(i + 1, i + 1 < stop)
+      m, l, accs = update(i, tiles, m, l, accs)
+      return m, l, accs, nxt
+    first = load_step(start, start < stop)
+    m, l, accs, _ = lax.fori_loop(start, stop, body, (m0, l0, accs0, first))
+  else:
+    def body(i, carry):
+      m, l, accs = carry
+      return update(i, load_step(i, True), m, l, accs)
+    m, l, accs = lax.fori_loop(start, stop, body, (m0, l0, accs0))
+
+  for j, a in enumerate(accs):
+    acc_ref[:, j * w:(j + 1) * w] = a
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("tf", "config", "num_splits", "scale", "window",
+                                             "soft_cap", "interpret"))
+def decode_partials(q, seq_lens, block_table, tensor_scales, pages, *, tf: TileFormat,
+                    config: DecodeConfig, num_splits: int, scale: float, window, soft_cap,
+                    interpret: bool):
+  """Run the kernel; returns unnormalized partials per split.
+
+  Args:
+    q: ``[S, H, Gp, parts * W]`` in ``tf.compute_dtype`` (query group padded; split
+      formats as [even | odd] halves).
+    seq_lens: int32 ``[S]``; block_table: int32 ``[S, M]``.
+    tensor_scales: float32 ``[2, H]`` (k, v global scales; ones when unused).
+    pages: the cache as ``[B, page_elems]`` (a free reshape of the physical array).
+  Returns:
+    (acc float32 ``[S, H, splits, Gp, parts * W]``, m, l float32 ``[S, H, splits, Gp]``).
+  """
+  num_seqs, num_heads, gp, qw = q.shape
+  num_blocks = pages.shape[0]
+  max_blocks = block_table.shape[1]
+  kernel = functools.partial(
+      _decode_kernel, tf=tf, step_tokens=config.step_tokens(tf.block_size),
+      num_splits=num_splits, num_blocks=num_blocks, max_blocks=max_blocks, scale=scale,
+      window=window, soft_cap=soft_cap, prefetch=config.prefetch)
+  whole = pl.BlockSpec(memory_space=pl.ANY)
+  f32 = jnp.float32
+  out_shape = (
+      jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp, qw), f32),
+      jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
+      jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
+  )
+  row_spec = pl.BlockSpec((None, None, None, gp), lambda s, h, k: (s, h, k, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=(num_seqs, num_heads, num_splits),
+      in_specs=[pl.BlockSpec((None, None, gp, qw), lambda s, h, k: (s, h, 0, 0)),
+                whole, whole, whole, whole],
+      out_specs=[pl.BlockSpec((None, None, None, gp, qw), lambda s, h, k: (s, h, k, 0, 0)),
+                 row_spec, row_spec],
+      out_shape=out_shape,
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      name="kvjax_paged_decode",
+  )(q, seq_lens, block_table, tensor_scales, pages)

@@ -1,0 +1,154 @@
+"""Unified ragged paged attention (prefill with cached prefix + decode in one batch), Pallas.
+
+Semantics: exactly :func:`kvjax.reference.unified_attention` (spec §6). This
+module validates what the kernels support, builds the static tiling, and is
+the one dispatch point between backends (today: the Triton-lowering kernel in
+:mod:`pallas_kernels.ragged_triton`, also used in interpret mode on CPU).
+
+Static sizes and recompilation (bucketing rule)
+-----------------------------------------------
+The grid must be static while the batch composition is traced. A program
+handles one KV head and one *query tile*: ``bq`` consecutive query tokens of
+one sequence times the G query heads of that KV head, ``rows = bq * G``
+rounded to a power of two (16..128; ``bq = rows // G``). The number of query
+tiles is bounded statically by ``min(cdiv(T, bq) + S, S * cdiv(max_query_len, bq))``
+(:mod:`pallas_kernels.ragged_schedule`); surplus programs find an empty tile
+and exit. So one compiled program serves every batch with the same
+``(T, S, max_blocks)`` shapes and the same ``max_query_len`` *bucket*:
+``max_query_len`` (default T) is rounded up to a power of two before anything
+depends on it, and ``rows`` is picked from that bucket (a decode-heavy batch,
+``max_query_len <= 4``, gets small tiles; prefill gets 128-row tiles). Callers
+should pad T to a bucket too (vLLM-style: powers of two, or multiples of 256
+above some size) and keep S / max_blocks at fixed capacities; padding tokens
+past ``query_start_loc[S]`` cost nothing and output 0. ``max_query_len`` must
+be a true upper bound on every sequence's query length, else tokens are dropped.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import formats as F
+from kvjax.spec import KVCacheSpec
+from pallas_kernels import ragged_schedule as sched
+from pallas_kernels import ragged_triton
+
+_MAX_ROWS = 128
+
+
+def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, interpret: bool,
+                        compute_itemsize: int) -> ragged_triton.TileConfig:
+  """Tiles for this problem: rows from the max_query_len bucket, smaller on CPU interpret."""
+  cap = 32 if interpret else _MAX_ROWS
+  rows = max(16, min(cap, sched.next_pow2(max_query_len * group)))
+  rows = max(rows, sched.next_pow2(group))          # at least one token per tile
+  if interpret:
+    return ragged_triton.TileConfig(rows=rows, block_kv=16, num_warps=4, num_stages=1)
+  big_head = spec.head_size > 128 or compute_itemsize > 2
+  block_kv = 32 if big_head else 64
+  if big_head:
+    rows = min(rows, 64)
+  return ragged_triton.TileConfig(rows=rows, block_kv=block_kv,
+                                  num_warps=8 if rows >= 128 else 4, num_stages=3)
+
+
+def _check_supported(spec: KVCacheSpec):
+  fmt = spec.format
+  if fmt.kind == F.NVFP4 or fmt.quant == "int4":
+    raise NotImplementedError(
+        f"ragged_paged_attention does not support cache_dtype={spec.cache_dtype!r} yet "
+        f"(int4 / nvfp4 caches): use impl='reference', or the decode kernel for pure decode "
+        f"batches")
+
+
+def _compute_dtype(q_dtype, spec: KVCacheSpec):
+  """Dot operand dtype: q's dtype when it is 16-bit, else float32."""
+  if np.dtype(q_dtype).itemsize == 2:
+    return np.dtype(q_dtype)
+  return np.dtype(np.float32)
+
+
+def _per_head(x, num_heads: int):
+  s = jnp.asarray(1.0 if x is None else x, jnp.float32)
+  return jnp.broadcast_to(s.reshape(-1) if s.ndim else s, (num_heads,))
+
+
+def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
+                           scale, causal=True, sliding_window=None, soft_cap=None, sinks=None,
+                           k_scale=None, v_scale=None, max_query_len=None, interpret=False,
+                           tile_config: Optional[ragged_triton.TileConfig] = None):
+  """Ragged paged attention over the packed cache (spec §6), one Pallas kernel.
+
+  Args:
+    q: ``[T, Hq, D]`` flattened query tokens (bf16/f16/f32).
+    cache: the spec's physical cache array (read in place, never split into K/V arrays).
+    query_start_loc: int32 ``[S+1]``; seq_lens: int32 ``[S]`` (prefix + new);
+      block_table: int32 ``[S, max_blocks]``.
+    scale: softmax scale (Python float). causal, sliding_window, soft_cap: static.
+    sinks: float32 ``[Hq]`` per-query-head sink logits or None.
+    k_scale, v_scale: fp8 per-tensor scales, scalar or ``[H]`` (ignored otherwise).
+    max_query_len: static upper bound on per-sequence query length (None = T);
+      bucketed to a power of two (see the module docstring).
+    interpret: run the kernel in Pallas interpret mode (CPU tests).
+    tile_config: override the tile sizes / launch parameters (benchmarks).
+  Returns:
+    ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
+  """
+  _check_supported(spec)
+  t, hq, d = q.shape
+  h = spec.num_kv_heads
+  if hq % h:
+    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={h}")
+  if d != spec.head_size:
+    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
+  group = hq // h
+  num_blocks = spec.num_blocks_of(cache)
+  num_seqs = seq_lens.shape[0]
+  if t == 0 or num_seqs == 0:
+    return jnp.zeros(q.shape, q.dtype)
+  mql = t if max_query_len is None else int(max_query_len)
+  if mql <= 0:
+    raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
+  mql = min(sched.next_pow2(mql), sched.next_pow2(t))
+  cdt = _compute_dtype(q.dtype, spec)
+  cfg = tile_config or default_tile_config(spec, group, mql, interpret, cdt.itemsize)
+  if cfg.rows < group:
+    raise ValueError(f"tile rows={cfg.rows} must be >= the GQA group size {group}")
+  bq = cfg.rows // group
+  num_tiles = sched.num_tiles_bound(t, num_seqs, bq, mql)
+  fmt = spec.format
+  st = ragged_triton.KernelStatics(
+      kind=fmt.kind, quant=fmt.quant if fmt.kind == F.PER_TOKEN_HEAD else None,
+      head_size=d, head_pad=sched.next_pow2(d), data_dim=spec.data_dim,
+      v_offset=spec.padded_head_size, num_kv_heads=h, group=group,
+      block_size=spec.block_size, layout=spec.layout, num_blocks=num_blocks,
+      max_blocks=block_table.shape[1], num_tiles=num_tiles, bq=bq, rows=cfg.rows,
+      block_kv=cfg.block_kv, causal=bool(causal),
+      window=None if sliding_window is None else int(sliding_window),
+      soft_cap=None if soft_cap is None else float(soft_cap),
+      has_sinks=sinks is not None, scale=float(scale), compute_dtype=cdt,
+      array_cols=bool(interpret))
+  return _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks,
+              st=st, cfg=cfg, interpret=bool(interpret))
+
+
+def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks, *, st, cfg,
+         interpret):
+  t, hq, d = q.shape
+  qsl = query_start_loc.astype(jnp.int32)
+  tile_seq, tile_q0 = sched.tile_schedule(qsl, st.num_tiles, st.bq)
+  meta = (tile_seq, tile_q0, qsl, seq_lens.astype(jnp.int32),
+          block_table.astype(jnp.int32).reshape(-1))
+  cache2d = cache.reshape(-1, cache.shape[-1])        # free: contiguous physical rows
+  has_tensor_scales = st.kind == F.FP8_PER_TENSOR
+  ks = _per_head(k_scale if has_tensor_scales else None, st.num_kv_heads)
+  vs = _per_head(v_scale if has_tensor_scales else None, st.num_kv_heads)
+  sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
+        else jnp.asarray(sinks, jnp.float32).reshape(hq))
+  out = ragged_triton.ragged_attention_call(
+      q.reshape(t * hq, d), cache2d, meta, ks, vs, sk, jnp.zeros((t * hq, d), q.dtype),
+      st=st, cfg=cfg, interpret=interpret)
+  return out.reshape(t, hq, d)

@@ -1,0 +1,51 @@
+"""Static tiling of a ragged query batch: which (sequence, query tile) each program handles.
+
+A query tile is up to ``bq`` consecutive query tokens of one sequence. The
+number of tiles depends on the (traced) query lengths, so the grid uses a
+static upper bound and surplus programs find an empty tile and do nothing:
+
+  sum_s cdiv(q_len_s, bq) <= cdiv(T, bq) + S        (each sequence wastes < 1 tile)
+  sum_s cdiv(q_len_s, bq) <= S * cdiv(max_query_len, bq)
+
+Everything here is pure jnp on int32 metadata ``[S+1]`` / ``[S]``: a few
+microseconds of XLA per step, no host sync.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+#: q0 of an empty (surplus) tile: past any sequence, so it holds no query row.
+EMPTY_TILE_Q0 = 1 << 30
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def next_pow2(x: int) -> int:
+  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def num_tiles_bound(num_tokens: int, num_seqs: int, bq: int, max_query_len: int) -> int:
+  """Static grid size along query tiles (>= 1)."""
+  return max(1, min(cdiv(num_tokens, bq) + num_seqs, num_seqs * cdiv(max_query_len, bq)))
+
+
+def tile_schedule(query_start_loc, num_tiles: int, bq: int):
+  """Per static tile index j: (sequence id int32 [num_tiles], first local query token int32).
+
+  Tiles of one sequence are consecutive and in token order; tiles past the real
+  count get sequence S-1 and q0 = EMPTY_TILE_Q0 (so they hold no query token).
+  """
+  qsl = query_start_loc.astype(jnp.int32)
+  num_seqs = qsl.shape[0] - 1
+  q_len = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+  tiles = (q_len + bq - 1) // bq
+  ends = jnp.cumsum(tiles)
+  starts = ends - tiles
+  j = jnp.arange(num_tiles, dtype=jnp.int32)
+  seq = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)
+  valid = seq < num_seqs
+  seq = jnp.minimum(seq, num_seqs - 1)
+  q0 = (j - starts[seq]) * bq
+  return seq, jnp.where(valid, q0, EMPTY_TILE_Q0).astype(jnp.int32)

@@ -1,0 +1,272 @@
+"""Ragged paged attention, Pallas kernel for the Triton lowering (GPU) and interpret mode.
+
+One program per (KV head h, query tile). A query tile is ``bq`` consecutive
+query tokens of one sequence times the ``G = Hq / H`` query heads that share KV
+head h: ``rows = bq * G`` (padded to a power of two) rows of one tensor-core
+tile, so every K/V load serves all G heads. The program walks its sequence's
+keys in tiles of ``block_kv`` tokens gathered through the block table (any
+block size, any page order), online softmax in float32, scores ``q @ k.T`` and
+``p @ v`` on ``pl.dot``. Key tiles fully visible to every row of the query tile
+run without masks; only the tiles that cross the causal diagonal, the window
+edge or the sequence end are masked.
+
+The cache is read in place: the physical array is viewed as rows
+``[B*N*H, C]`` (NHD) or ``[B*H*N, C]`` (HND), a free reshape, and each key
+tile loads the K half and the V half of the same rows back to back (spec §8).
+Quantized caches are dequantized in registers: fp8 per-tensor scales fold into
+the score scale / the output; per-token-head scales are read from the row's
+four scale bytes and applied per key column.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kvjax import formats as F
+
+_LOG2E = math.log2(math.e)
+_M_INIT = -1e30   # running max before any key: finite, so exp2(m_old - m_new) is never NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Tile sizes and Triton launch parameters (static).
+
+  rows: query rows per program (bq * G padded up), a power of two >= 16.
+  block_kv: keys per inner step, a power of two >= 16.
+  """
+  rows: int = 128
+  block_kv: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("rows", "block_kv"):
+      v = getattr(self, name)
+      if v < 16 or v & (v - 1):
+        raise ValueError(f"{name}={v} must be a power of two >= 16")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatics:
+  """Everything static the kernel body needs."""
+  kind: str                  # cache format kind
+  quant: object              # format's quant dtype (per-token-head), else None
+  head_size: int             # D
+  head_pad: int              # power of two >= D
+  data_dim: int              # storage elements of data per side row
+  v_offset: int              # column of V's first data element (D or padded_hs)
+  num_kv_heads: int          # H
+  group: int                 # G = Hq / H
+  block_size: int            # N
+  layout: str
+  num_blocks: int            # B
+  max_blocks: int            # block_table.shape[1]
+  num_tiles: int             # static grid size along query tiles
+  bq: int                    # query tokens per tile
+  rows: int
+  block_kv: int
+  causal: bool
+  window: Optional[int]
+  soft_cap: Optional[float]
+  has_sinks: bool
+  scale: float
+  compute_dtype: object      # dot operand dtype
+  array_cols: bool = False   # index columns with arrays (interpret mode: no mixed slice+array)
+
+
+def _cols(st: KernelStatics, base: int, clamp: bool = True):
+  """Column index of a (rows, head_pad) access at ``base``: a slice when D is a power of two
+  (compiled), else column indices plus a mask. Loads clamp padded columns (every address in
+  bounds); stores leave them out of range so masked lanes never alias a real element."""
+  if st.head_pad == st.head_size and not st.array_cols:
+    return pl.ds(base, st.head_size), None
+  c = jnp.arange(st.head_pad, dtype=jnp.int32)
+  col_mask = None if st.head_pad == st.head_size else c < st.head_size
+  return base + (jnp.minimum(c, st.head_size - 1) if clamp else c), col_mask
+
+
+def _load_rows(ref, rows, st: KernelStatics, base: int, row_mask=None):
+  """``ref[rows, base:base+D]`` as ``[len(rows), head_pad]``; masked rows/cols read 0."""
+  cols, col_mask = _cols(st, base)
+  if not isinstance(cols, jax.Array):
+    idx = (rows, cols)
+    mask = None if row_mask is None else row_mask[:, None]
+  else:
+    idx = tuple(jnp.broadcast_arrays(rows[:, None], cols[None, :]))
+    mask = col_mask[None, :] if col_mask is not None else None
+    if row_mask is not None:
+      mask = row_mask[:, None] if mask is None else row_mask[:, None] & mask
+  if mask is None:
+    return pltriton.load(ref.at[idx])
+  mask = jnp.broadcast_to(mask, (rows.shape[0], st.head_pad))
+  return pltriton.load(ref.at[idx], mask=mask, other=0)
+
+
+def _store_rows(ref, rows, val, st: KernelStatics, row_mask):
+  cols, col_mask = _cols(st, 0, clamp=False)
+  mask = row_mask[:, None]
+  if not isinstance(cols, jax.Array):
+    idx = (rows, cols)
+  else:
+    idx = tuple(jnp.broadcast_arrays(rows[:, None], cols[None, :]))
+    if col_mask is not None:
+      mask = mask & col_mask[None, :]
+  pltriton.store(ref.at[idx], val, mask=jnp.broadcast_to(mask, val.shape))
+
+
+def _row_scale(cache_ref, rows, col: int, row_mask):
+  """float32 per-token-head scale from the 4 storage bytes at ``col..col+3`` of each row."""
+  bits = None
+  for i in range(4):
+    if row_mask is None:
+      b = pltriton.load(cache_ref.at[rows, col + i])
+    else:
+      b = pltriton.load(cache_ref.at[rows, col + i], mask=row_mask, other=0)
+    b = (b.astype(jnp.int32) & 0xFF) << (8 * i)
+    bits = b if bits is None else bits | b
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _to_compute(x, st: KernelStatics):
+  """Stored K/V data -> dot operand dtype (dequantized up to a per-row or global scale)."""
+  if st.kind == F.PER_TOKEN_HEAD and st.quant != np.dtype(np.int8):
+    x = lax.bitcast_convert_type(x, st.quant)     # uint8 storage -> fp8
+  return x.astype(st.compute_dtype)
+
+
+def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cache_ref, ks_ref,
+            vs_ref, sink_ref, _o_init_ref, o_ref, *, st: KernelStatics):
+  h = pl.program_id(0)
+  tile = st.num_tiles - 1 - pl.program_id(1)      # last tiles (most keys) launch first
+  g_count, bq, bk = st.group, st.bq, st.block_kv
+  seq = tile_seq_ref[tile]
+  q0 = tile_q0_ref[tile]
+  q_start = qsl_ref[seq]
+  q_len = qsl_ref[seq + 1] - q_start
+  seq_len = seq_lens_ref[seq]
+  nq = jnp.clip(q_len - q0, 0, bq)                 # query tokens in this tile
+  pos_first = seq_len - q_len + q0
+  pos_last = pos_first + nq - 1
+
+  r = jnp.arange(st.rows, dtype=jnp.int32)
+  tok = lax.div(r, g_count)
+  g = lax.rem(r, g_count)
+  row_ok = tok < nq
+  hq = st.num_kv_heads * g_count
+  # Rows outside the tile point one past the end of q: masked, and never aliasing a real row.
+  q_rows = jnp.where(row_ok, (q_start + q0 + tok) * hq + h * g_count + g, q_ref.shape[0])
+  q = _load_rows(q_ref, q_rows, st, 0, row_ok).astype(st.compute_dtype)
+  row_pos = pos_first + tok
+
+  qk_scale = st.scale
+  if st.kind == F.FP8_PER_TENSOR:
+    qk_scale = qk_scale * ks_ref[h]
+  if st.has_sinks:
+    m0 = pltriton.load(sink_ref.at[h * g_count + g]).astype(jnp.float32) * _LOG2E
+    l0 = jnp.ones((st.rows,), jnp.float32)
+  else:
+    m0 = jnp.full((st.rows,), _M_INIT, jnp.float32)
+    l0 = jnp.zeros((st.rows,), jnp.float32)
+  acc0 = jnp.zeros((st.rows, st.head_pad), jnp.float32)
+
+  # Key range of this tile and the sub-range every row sees in full.
+  empty = nq <= 0
+  kv_hi = jnp.minimum(seq_len, pos_last + 1) if st.causal else seq_len
+  kv_lo = jnp.maximum(pos_first - st.window + 1, 0) if st.window else jnp.int32(0)
+  j_lo = lax.div(kv_lo, bk)
+  j_hi = jnp.where(empty, j_lo, lax.div(kv_hi + bk - 1, bk))
+  full_lo = (lax.div(jnp.maximum(pos_last - st.window + 1, 0) + bk - 1, bk)
+             if st.window else j_lo)
+  full_end = jnp.minimum(pos_first + 1, seq_len) if st.causal else seq_len
+  full_hi = lax.div(full_end, bk)
+  b = jnp.clip(full_lo, j_lo, j_hi)
+  c = jnp.clip(full_hi, b, j_hi)
+
+  def step(j, carry, masked):
+    acc, m, l = carry
+    kp = j * bk + jnp.arange(bk, dtype=jnp.int32)
+    in_seq = kp < seq_len if masked else None
+    page = jnp.minimum(lax.div(kp, st.block_size), st.max_blocks - 1)
+    off = lax.rem(kp, st.block_size)
+    bt_idx = seq * st.max_blocks + page
+    if masked:
+      blk = pltriton.load(bt_ref.at[bt_idx], mask=in_seq, other=0)
+    else:
+      blk = pltriton.load(bt_ref.at[bt_idx])
+    blk = jnp.clip(blk, 0, st.num_blocks - 1)
+    if st.layout == "NHD":
+      rows = (blk * st.block_size + off) * st.num_kv_heads + h
+    else:
+      rows = (blk * st.num_kv_heads + h) * st.block_size + off
+    k = _to_compute(_load_rows(cache_ref, rows, st, 0, in_seq), st)
+    v = _to_compute(_load_rows(cache_ref, rows, st, st.v_offset, in_seq), st)
+    s = pl.dot(q, k, trans_b=True) * qk_scale            # [rows, bk] float32
+    if st.kind == F.PER_TOKEN_HEAD:
+      s = s * _row_scale(cache_ref, rows, st.data_dim, in_seq)[None, :]
+    if st.soft_cap is not None:
+      s = st.soft_cap * jnp.tanh(s * (1.0 / st.soft_cap))
+    s = s * _LOG2E
+    if masked:
+      vis = in_seq[None, :]
+      if st.causal:
+        vis = vis & (kp[None, :] <= row_pos[:, None])
+      if st.window:
+        vis = vis & (row_pos[:, None] - kp[None, :] < st.window)
+      s = jnp.where(vis, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp2(s - m_new[:, None])
+    if masked:
+      p = jnp.where(vis, p, 0.0)
+    alpha = jnp.exp2(m - m_new)
+    l = l * alpha + jnp.sum(p, axis=1)
+    if st.kind == F.PER_TOKEN_HEAD:
+      p = p * _row_scale(cache_ref, rows, st.v_offset + st.data_dim, in_seq)[None, :]
+    acc = acc * alpha[:, None] + pl.dot(p.astype(st.compute_dtype), v)
+    return acc, m_new, l
+
+  carry = (acc0, m0, l0)
+  carry = lax.fori_loop(j_lo, b, functools.partial(_step_wrap, step, True), carry)
+  carry = lax.fori_loop(b, c, functools.partial(_step_wrap, step, False), carry)
+  carry = lax.fori_loop(c, j_hi, functools.partial(_step_wrap, step, True), carry)
+  acc, _, l = carry
+  out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+  if st.kind == F.FP8_PER_TENSOR:
+    out = out * vs_ref[h]
+  _store_rows(o_ref, q_rows, out.astype(o_ref.dtype), st, row_ok)
+
+
+def _step_wrap(step, masked, j, carry):
+  return step(j, carry, masked)
+
+
+def ragged_attention_call(q2d, cache2d, meta, k_scale_h, v_scale_h, sinks, out_init, *,
+                          st: KernelStatics, cfg: TileConfig, interpret: bool):
+  """Launch the kernel. ``meta`` = (tile_seq, tile_q0, query_start_loc, seq_lens, block_table_flat).
+
+  q2d: ``[T*Hq, D]``; cache2d: the physical cache as rows ``[R, C]``; k/v_scale_h: float32
+  ``[H]``; sinks: float32 ``[Hq]``; out_init: zeros ``[T*Hq, D]`` in q's dtype (aliased to
+  the output, so rows no tile covers -- padding -- stay 0). Returns ``[T*Hq, D]``.
+  """
+  kernel = functools.partial(_kernel, st=st)
+  args = (*meta, q2d, cache2d, k_scale_h, v_scale_h, sinks, out_init)
+  params = None if interpret else pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                                          num_stages=cfg.num_stages)
+  return pl.pallas_call(
+      kernel,
+      grid=(st.num_kv_heads, st.num_tiles),
+      out_shape=jax.ShapeDtypeStruct(out_init.shape, out_init.dtype),
+      input_output_aliases={len(args) - 1: 0},
+      compiler_params=params,
+      interpret=interpret,
+      name="kvjax_ragged_paged_attention",
+  )(*args)

@@ -1,0 +1,106 @@
+"""Shared test helpers: random K/V, poisoned caches, per-format round-trip error bounds."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import KVCacheSpec
+from kvjax import formats as F
+
+ALL_CACHE_DTYPES = tuple(F.CACHE_FORMATS)
+
+
+def spec_for(cache_dtype, layout="NHD", **kw):
+  """A KVCacheSpec; nvfp4 is always HND."""
+  kw.setdefault("num_kv_heads", 2)
+  kw.setdefault("head_size", 64)
+  kw.setdefault("block_size", 16)
+  if cache_dtype == "nvfp4":
+    layout = "HND"
+  return KVCacheSpec(cache_dtype=cache_dtype, layout=layout, **kw)
+
+
+def random_kv(rng, spec: KVCacheSpec, num_tokens: int, spread: float = 3.0):
+  """Random key/value ``[T, H, D]`` in the spec's dtype, row magnitudes varying over decades."""
+  def one():
+    x = rng.standard_normal((num_tokens, spec.num_kv_heads, spec.head_size))
+    x *= np.exp(rng.uniform(-spread / 3, spread / 3, (num_tokens, spec.num_kv_heads, 1)))
+    return jnp.asarray(x.astype(np.float32)).astype(spec.dtype)
+  return one(), one()
+
+
+def poisoned_cache(rng, spec: KVCacheSpec, num_blocks: int):
+  """A cache of random bytes of the spec's physical shape and storage dtype.
+
+  Float storage gets random *finite* bit patterns: XLA on CPU may canonicalize
+  NaN payloads of elements it passes through, and a NaN payload is not data.
+  """
+  shape = spec.physical_shape(num_blocks)
+  nbytes = int(np.prod(shape)) * spec.itemsize
+  raw = rng.integers(0, 256, nbytes, dtype=np.uint8).view(spec.storage_dtype).copy()
+  if spec.storage_dtype.kind in "fV":  # numpy floats and ml_dtypes (bf16, fp8)
+    bad = ~np.isfinite(raw.astype(np.float32))
+    raw[bad] = rng.uniform(-100, 100, int(bad.sum())).astype(spec.storage_dtype)
+  return jnp.asarray(raw.reshape(shape))
+
+
+def as_bytes(x):
+  return np.asarray(x).view(np.uint8)
+
+
+def random_slots(rng, spec: KVCacheSpec, num_blocks: int, num_tokens: int, pad: int = 0):
+  """Duplicate-free random slots, followed by ``pad`` padding (-1) slots, as int32."""
+  slots = rng.choice(num_blocks * spec.block_size, num_tokens, replace=False)
+  return jnp.asarray(np.concatenate([slots, -np.ones(pad, np.int64)]).astype(np.int32))
+
+
+def roundtrip_bound(spec: KVCacheSpec, x, k_scale=None):
+  """Per-element bound on |read(write(x)) - x| for the spec's format, float32 ``x [T, H, D]``."""
+  fmt = spec.format
+  x = np.asarray(x, np.float32)
+  ax = np.abs(x)
+  if fmt.kind == F.PLAIN:
+    eps = {2: 2.0 ** -8, 4: 0.0}.get(spec.itemsize, 0.0)
+    if spec.storage_dtype == np.dtype(np.float16):
+      eps = 2.0 ** -11
+    if spec.storage_dtype == spec.dtype:
+      eps = 0.0
+    return ax * eps + 1e-30
+  if fmt.kind == F.FP8_PER_TENSOR:
+    s = 1.0 if k_scale is None else np.asarray(k_scale, np.float32)
+    s = s[:, None] if np.ndim(s) == 1 else s
+    rel = 2.0 ** -4 if fmt.quant == np.dtype(jnp.float8_e4m3fn) else 2.0 ** -3
+    tiny = 2.0 ** -9 if rel == 2.0 ** -4 else 2.0 ** -16
+    return ax * rel + tiny * s
+  if fmt.kind == F.PER_TOKEN_HEAD:
+    if fmt.quant == "int4":
+      scale = np.maximum((x.max(-1) - x.min(-1)) / 15, 1e-6)[..., None]
+      return scale * 1.0 + 1e-6
+    scale = np.maximum(ax.max(-1) / fmt.qmax, 1e-6)[..., None]
+    if fmt.quant == np.dtype(np.int8):
+      return scale * 0.5 + 1e-6
+    return ax * 2.0 ** -4 + scale * 2.0 ** -9
+  # nvfp4: e2m1's widest step is 2 on a grid topping at 6, plus e4m3 rounding of the scale
+  g = ax.reshape(x.shape[:-1] + (-1, 16)).max(-1, keepdims=True)
+  return np.broadcast_to(g * 0.25, x.shape[:-1] + (x.shape[-1] // 16, 16)).reshape(x.shape) + 1e-6
+
+
+def assert_roundtrip(spec, x, back, k_scale=None):
+  x = np.asarray(jnp.asarray(x).astype(jnp.float32))
+  back = np.asarray(back)
+  bound = roundtrip_bound(spec, x, k_scale)
+  err = np.abs(back - x)
+  bad = ~(err <= bound)
+  assert not bad.any(), (f"{spec.cache_dtype}: {bad.sum()} of {bad.size} elements beyond bound; "
+                         f"worst err {err[bad].max()} vs bound {bound[bad].min()}")
+  # and the bound is not vacuous: quantized formats do lose something, plain ones nothing
+  assert np.isfinite(back).all()
+
+
+def jit_write(impl="reference", interpret=None):
+  """``write_kv`` jitted with the cache donated (spec static)."""
+  import kvjax
+
+  def f(cache, key, value, slots, spec, k_scale=None, v_scale=None):
+    return kvjax.write_kv(cache, key, value, slots, spec, k_scale=k_scale, v_scale=v_scale,
+                          impl=impl, interpret=interpret)
+  return jax.jit(f, static_argnums=4, donate_argnums=0)

@@ -1,0 +1,133 @@
+"""Quantization formulas (spec §5): the worked examples and independent numpy oracles."""
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvjax import formats as F
+from kvjax import quant
+
+INT8 = F.get_format("int8_per_token_head")
+FP8 = F.get_format("fp8_per_token_head")
+INT4 = F.get_format("int4_per_token_head")
+
+
+def test_int8_worked_example():
+  row = np.zeros(8, np.float32)
+  row[:4] = [127.0, 2.5, -2.5, -0.4]
+  data, scale = quant.quantize_per_token_head(jnp.asarray(row), INT8)
+  assert float(scale) == 1.0
+  np.testing.assert_array_equal(np.asarray(data)[:4], [127, 3, -3, 0])
+  data, scale = quant.quantize_per_token_head(jnp.zeros(8), INT8)
+  assert float(scale) == np.float32(1e-6)
+  assert not np.asarray(data).any()
+
+
+def test_fp8_per_token_head_worked_example(rng):
+  row = rng.uniform(-400, 400, 16).astype(np.float32)
+  row[3] = 448.0
+  row = np.asarray(jnp.asarray(row).astype(jnp.float8_e4m3fn).astype(jnp.float32))  # exact in e4m3
+  data, scale = quant.quantize_per_token_head(jnp.asarray(row), FP8)
+  assert float(scale) == 1.0
+  values = np.asarray(data).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  np.testing.assert_array_equal(values, row)
+
+
+def _int8_numpy(x, scale):
+  y = x / scale[..., None]
+  return np.clip(np.sign(y) * np.floor(np.abs(y) + 0.5), -128, 127).astype(np.int8)
+
+
+def test_int8_matches_numpy(rng):
+  x = (rng.standard_normal((64, 4, 96)) * rng.uniform(0.01, 50, (64, 4, 1))).astype(np.float32)
+  data, scale = quant.quantize_per_token_head(jnp.asarray(x), INT8)
+  s_np = np.maximum(np.abs(x).max(-1) / np.float32(127.0), np.float32(1e-6))
+  # XLA may divide by the constant 127 as a multiply by its reciprocal: 1 ulp apart at most.
+  np.testing.assert_allclose(np.asarray(scale), s_np, rtol=2.5e-7, atol=0)
+  s_np = np.asarray(scale)
+  q_np = _int8_numpy(x, s_np)
+  np.testing.assert_array_equal(np.asarray(data), q_np)
+  back = np.asarray(quant.dequantize_per_token_head(data, scale, INT8))
+  assert np.all(np.abs(back - x) <= s_np[..., None] * 0.5 + 1e-6)
+
+
+def test_int4_matches_numpy(rng):
+  x = (rng.standard_normal((32, 2, 64)) * 3 + rng.standard_normal((32, 2, 1))).astype(np.float32)
+  packed, scale = quant.quantize_per_token_head(jnp.asarray(x), INT4)
+  lo, hi = x.min(-1), x.max(-1)
+  s = np.maximum((hi - lo) / np.float32(15), np.float32(1e-6)).astype(np.float32)
+  zp = np.clip(np.round(-lo / s), 0, 15)
+  q = np.clip(np.round(x / s[..., None] + zp[..., None]), 0, 15).astype(np.uint8)
+  got = np.asarray(packed)
+  got_q = np.stack([got & 0xF, got >> 4], -1).reshape(q.shape)
+  # XLA may divide by the constant 15 as a multiply by its reciprocal (scale 1 ulp apart), which
+  # can move a value sitting on a rounding boundary by one code; nothing else may differ.
+  assert np.abs(got_q.astype(int) - q).max() <= 1 and (got_q == q).mean() > 0.99
+  bits = np.asarray(scale).view(np.uint32)
+  np.testing.assert_array_equal(bits & 0xF, zp.astype(np.uint32))
+  masked = (bits & ~np.uint32(0xF)).view(np.float32)
+  np.testing.assert_allclose(masked, s, rtol=3e-6)
+  back = np.asarray(quant.dequantize_per_token_head(packed, scale, INT4))
+  assert np.all(np.abs(back - x) <= s[..., None] * 0.5 * 1.001 + 1e-5)
+
+
+def test_fp8_per_tensor_saturates(rng):
+  x = jnp.asarray(rng.standard_normal((3, 2, 16)).astype(np.float32) * 10)
+  x = x.at[0, 0, 0].set(1e6).at[0, 0, 1].set(-1e6)
+  q = quant.quantize_fp8_per_tensor(x, 0.5, jnp.float8_e4m3fn)
+  back = np.asarray(q.astype(jnp.float32))
+  assert back[0, 0, 0] == 448.0 and back[0, 0, 1] == -448.0
+  assert np.isfinite(back).all()
+  per_head = quant.quantize_fp8_per_tensor(x, jnp.asarray([0.5, 2.0]), jnp.float8_e4m3fn)
+  expect = np.clip(np.asarray(x) / np.array([0.5, 2.0])[:, None], -448, 448)
+  np.testing.assert_array_equal(np.asarray(per_head.astype(jnp.float32)),
+                                expect.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+def test_e2m1_grid_and_ties():
+  vals = np.array([0, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, 100, -0.75, -6, -7],
+                  np.float32)
+  codes = np.asarray(quant.e2m1_encode(jnp.asarray(vals)))
+  decoded = np.asarray(quant.e2m1_decode(jnp.asarray(codes)))
+  np.testing.assert_array_equal(decoded, [0, 0, 0.5, 1, 1, 2, 2, 4, 4, 6, 6, -1, -6, -6])
+  all_codes = jnp.arange(16, dtype=jnp.uint8)
+  np.testing.assert_array_equal(np.asarray(quant.e2m1_encode(quant.e2m1_decode(all_codes)))[:8],
+                                np.arange(8))
+
+
+def _nvfp4_numpy(x, global_scale):
+  gs = np.float32(1.0) / np.float32(global_scale)
+  g = x.reshape(x.shape[:-1] + (-1, 16))
+  sf = np.clip(gs * np.abs(g).max(-1) / np.float32(6.0), 0, 448).astype(ml_dtypes.float8_e4m3fn)
+  sf32 = sf.astype(np.float32)[..., None]
+  y = np.where(sf32 == 0, 0, g * gs / np.where(sf32 == 0, 1, sf32))
+  grid = quant.E2M1_GRID
+  a = np.abs(y)
+  idx = np.abs(a[..., None] - grid).argmin(-1)            # nearest; ties resolved below
+  lower = grid[np.maximum(idx - 1, 0)]
+  # ties go to the even code
+  tie_down = (np.abs(a - lower) == np.abs(a - grid[idx])) & (idx % 2 == 1)
+  idx = np.where(tie_down, idx - 1, idx)
+  code = (idx | (np.signbit(y) << 3)).astype(np.uint8).reshape(x.shape)
+  return code[..., 0::2] | (code[..., 1::2] << 4), sf
+
+
+def test_nvfp4_matches_numpy(rng):
+  x = (rng.standard_normal((16, 2, 64)) * rng.uniform(0.1, 20, (16, 2, 1))).astype(np.float32)
+  packed, sf = quant.quantize_nvfp4(jnp.asarray(x), 0.25)
+  p_np, sf_np = _nvfp4_numpy(x, 0.25)
+  np.testing.assert_array_equal(np.asarray(sf).view(np.uint8), sf_np.view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(packed), p_np)
+  back = np.asarray(quant.dequantize_nvfp4(packed, sf, 0.25))
+  group_max = np.abs(x.reshape(16, 2, 4, 16)).max(-1, keepdims=True)
+  err = np.abs(back - x).reshape(16, 2, 4, 16)
+  assert np.all(err <= group_max * 0.25 + 1e-6)   # half of e2m1's widest step (2 of 6) + e4m3
+
+
+def test_v_swizzle_is_a_permutation_and_matches_formula():
+  idx = quant.nvfp4_v_swizzle_index(16, 8)
+  assert sorted(idx.ravel()) == list(range(128))
+  # (t, s) = (5, 3): ((5//4)*4 + 3//2)*8 + (3%2)*4 + 5%4 = 5*8 + 4 + 1
+  assert idx[5, 3] == 45
+  with pytest.raises(ValueError, match="swizzle"):
+    quant.nvfp4_v_swizzle_index(16, 2)

@@ -1,0 +1,104 @@
+"""Recognize a torch cache tensor: vLLM's logical view or the physical contiguous tensor.
+
+A cache of spec ``s`` with B blocks is one contiguous buffer of shape
+``s.physical_shape(B)``; vLLM hands around its logical view
+``physical.permute(inverse stride order)``, shape ``s.logical_shape(B)``. With a
+leading layers dim (cross-layer allocation) both are 5-D. Anything else (a K half,
+one head, a strided slice) is refused: it cannot be shared as one buffer.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from kvjax.spec import KVCacheSpec, contiguous_strides
+from torch_bridge import dtypes
+
+#: CPU buffers JAX imports without a copy start at a multiple of this many bytes.
+CPU_ALIGNMENT = 64
+
+
+def _check_tensor(tensor):
+  if not isinstance(tensor, torch.Tensor):
+    raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+  if tensor.layout != torch.strided:
+    raise TypeError(f"cache tensor must be strided (dense), got layout {tensor.layout}")
+  if tensor.ndim not in (4, 5):
+    raise ValueError(f"cache tensor must be 4-D (or 5-D with a layers dim), got shape "
+                     f"{tuple(tensor.shape)}")
+
+
+def _strides_match(tensor, shape, strides) -> bool:
+  """Equal shape and equal strides on every dim of size > 1 (size-1 strides are free)."""
+  if tuple(tensor.shape) != tuple(shape):
+    return False
+  return all(n == 1 or a == b for n, a, b in zip(shape, tensor.stride(), strides))
+
+
+def _inverse(order):
+  return tuple(order.index(i) for i in range(len(order)))
+
+
+def _blocks_layers(shape, from_logical: bool, order) -> Tuple[int, Optional[int]]:
+  """(B, L) read from a tensor shape taken as logical or as physical."""
+  if len(shape) == 4:
+    return shape[0], None
+  logical = shape if from_logical else tuple(shape[_inverse(order)[i]] for i in range(5))
+  return logical[1], logical[0]
+
+
+def _expected(spec: KVCacheSpec, b: int, layers: Optional[int]):
+  try:
+    return spec.logical_shape(b, layers), spec.physical_shape(b, layers)
+  except ValueError:
+    return None, None
+
+
+def physical_tensor(tensor, spec: KVCacheSpec) -> torch.Tensor:
+  """The contiguous physical tensor behind ``tensor`` (a view, never a copy).
+
+  Accepts vLLM's logical view (shape ``spec.logical_shape(B)``, strides of the
+  permuted physical buffer) or the physical contiguous tensor itself; dtype must be
+  the spec's storage dtype (uint8 also for fp8 per-tensor caches).
+  Raises TypeError for a wrong dtype / non-tensor and ValueError for any shape or
+  stride pattern that is not one whole compact cache.
+  """
+  _check_tensor(tensor)
+  if tensor.dtype not in dtypes.accepted_cache_dtypes(spec):
+    raise TypeError(f"cache tensor dtype {tensor.dtype} is not one of "
+                    f"{dtypes.accepted_cache_dtypes(spec)} for cache_dtype={spec.cache_dtype!r}")
+  with_layers = tensor.ndim == 5
+  order = spec.stride_order(with_layers)
+  b, layers = _blocks_layers(tuple(tensor.shape), True, order)
+  logical_shape, _ = _expected(spec, b, layers)
+  if logical_shape is not None and _strides_match(tensor, logical_shape,
+                                                  spec.logical_strides(b, layers)):
+    return tensor.permute(order)
+  b, layers = _blocks_layers(tuple(tensor.shape), False, order)
+  _, physical_shape = _expected(spec, b, layers)
+  if physical_shape is not None and _strides_match(tensor, physical_shape,
+                                                   contiguous_strides(physical_shape)):
+    return tensor
+  raise ValueError(
+      f"tensor of shape {tuple(tensor.shape)} strides {tensor.stride()} is neither the logical "
+      f"view nor the physical contiguous buffer of a {spec.layout} {spec.cache_dtype!r} cache "
+      f"(for B={b}: logical {logical_shape}, physical {physical_shape}); non-compact views "
+      "(a K half, one head, a strided slice) cannot be shared as one buffer")
+
+
+def logical_view(tensor, spec: KVCacheSpec) -> torch.Tensor:
+  """vLLM's logical view ``(B, H, N, C)`` (or ``(L, B, H, N, C)``) of a cache tensor."""
+  phys = physical_tensor(tensor, spec)
+  return phys.permute(_inverse(spec.stride_order(phys.ndim == 5)))
+
+
+def check_shareable(phys: torch.Tensor):
+  """Refuse a physical tensor JAX could only import by copying (CPU pointer alignment)."""
+  if phys.device.type == "cpu" and phys.data_ptr() % CPU_ALIGNMENT:
+    raise ValueError(
+        f"CPU cache tensor starts at address {phys.data_ptr():#x}, not a multiple of "
+        f"{CPU_ALIGNMENT} bytes: JAX would silently copy it. Allocate it with "
+        "PagedAttentionBackend.allocate_kv_cache or torch_bridge.empty_cache")
+  if phys.device.type not in ("cpu", "cuda"):
+    raise ValueError(f"tensor on device {phys.device} cannot be shared with JAX (cpu or cuda)")
