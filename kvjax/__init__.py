@@ -11,7 +11,9 @@ from kvjax.spec import (KVCacheSpec, LAYOUTS, MLACacheSpec, ViewGeometry, get_kv
                         get_kv_cache_stride_order, get_mla_kv_cache_shape)
 from kvjax.views import (dequantize_pages, kv_scale_views, kv_views, nvfp4_sides,
                          nvfp4_split_data_scale, token_major)
-from kvjax import reference
+from kvjax import reference, sharding, transfer
+from kvjax.sharding import cache_sharding, sharded_unified_attention, sharded_write_kv
+from kvjax.transfer import plan_reads, transfer_blocks
 
 __version__ = "0.1.0"
 
@@ -20,5 +22,6 @@ __all__ = [
     "get_format", "get_kv_cache_shape", "get_kv_cache_stride_order", "get_mla_kv_cache_shape",
     "write_kv", "read_kv", "unified_attention", "from_legacy_5d", "to_legacy_5d",
     "kv_views", "kv_scale_views", "nvfp4_sides", "nvfp4_split_data_scale", "dequantize_pages",
-    "token_major", "reference",
+    "token_major", "reference", "transfer", "sharding", "cache_sharding", "sharded_write_kv",
+    "sharded_unified_attention", "plan_reads", "transfer_blocks",
 ]

@@ -255,35 +255,40 @@ def load_decode_results(results_json) -> dict:
   return data
 
 
-def plot_decode_bandwidth(results_json, path: str):
+def plot_decode_bandwidth(results_json, path: str, h200_anchors: Optional[bool] = None):
   """KV bytes read per second vs batch x context, one line per (kernel, cache dtype, layout).
 
-  Draws the JSON's copy-rate ceiling (``copy_tb_s``), the streaming-read ceiling
-  (4.5 TB/s) and the H200 anchors of vLLM's Triton kernel and JAX's built-in Pallas
-  kernel at the shapes they were measured at. Saves a PNG at ``path``; returns ``path``.
+  Draws the JSON's copy-rate ceiling (``copy_tb_s``) and, for an H200 run
+  (``h200_anchors=None``: when "H200" is in ``device``), the streaming-read ceiling
+  (4.5 TB/s) and the anchors of vLLM's Triton kernel and JAX's built-in Pallas
+  kernel at the shapes they were measured at. Rows with several ``config`` values
+  get one line per config. Saves a PNG at ``path``; returns ``path``.
   """
   plt = _need_matplotlib()
   data = load_decode_results(results_json)
   rows = data["rows"]
+  if h200_anchors is None:
+    h200_anchors = "H200" in str(data.get("device", ""))
   shapes = sorted({(int(r["batch"]), int(r["context"])) for r in rows},
                   key=lambda bc: (bc[0] * bc[1], bc[1]))
   xpos = {bc: i for i, bc in enumerate(shapes)}
   fig, ax = plt.subplots(figsize=(11, 5.2), constrained_layout=True)
   series = {}
   for r in rows:
-    key = (r["kernel"], r["cache_dtype"], r["layout"])
+    key = (r["kernel"], r["cache_dtype"], r["layout"], str(r.get("config") or "default"))
     series.setdefault(key, []).append((xpos[(int(r["batch"]), int(r["context"]))],
                                        float(r["tb_per_s"])))
   markers = {"kvjax": "o", "jax_builtin": "s", "torch_sdpa": "^"}
   for key in sorted(series):
     pts = sorted(series[key])
     xs, ys = zip(*pts)
-    kernel, cdt, lay = key
+    kernel, cdt, lay, cfg = key
+    extra = "" if cfg == "default" else f", {cfg}"
     ax.plot(xs, ys, marker=markers.get(kernel, "D"), linewidth=1.6,
-            label=f"{kernel} ({cdt}, {lay})")
-  for anchors, name, style in ((VLLM_TRITON_ANCHORS, "vLLM Triton (H200 anchor)", "*"),
-                               (JAX_BUILTIN_ANCHORS, "JAX built-in paged_attention (H200 anchor)",
-                                "x")):
+            label=f"{kernel} ({cdt}, {lay}{extra})")
+  anchor_sets = ((VLLM_TRITON_ANCHORS, "vLLM 0.28 Triton (H200 anchor)", "*"),
+                 (JAX_BUILTIN_ANCHORS, "JAX built-in paged_attention (H200 anchor)", "x"))
+  for anchors, name, style in anchor_sets if h200_anchors else ():
     pts = [(xpos[bc], v) for bc, v in anchors.items() if bc in xpos]
     if pts:
       xs, ys = zip(*sorted(pts))
@@ -291,14 +296,16 @@ def plot_decode_bandwidth(results_json, path: str):
   copy = data.get("copy_tb_s")
   if copy:
     ax.axhline(float(copy), color="tab:red", linestyle="--", linewidth=1,
-               label=f"device copy rate {float(copy):.2f} TB/s (read + write)")
-  ax.axhline(STREAMING_READ_TB_S, color="0.2", linestyle=":", linewidth=1,
-             label=f"streaming read ceiling {STREAMING_READ_TB_S} TB/s (H200)")
+               label=f"device copy rate {float(copy):.3g} TB/s (read + write)")
+  if h200_anchors:
+    ax.axhline(STREAMING_READ_TB_S, color="0.2", linestyle=":", linewidth=1,
+               label=f"streaming read ceiling {STREAMING_READ_TB_S} TB/s (H200)")
   ax.set_xticks(range(len(shapes)))
   ax.set_xticklabels([f"{b}×{c}" for b, c in shapes], rotation=30, fontsize=8)
   ax.set_xlabel("batch × context (tokens)")
   ax.set_ylabel("KV bytes read per second (TB/s)")
-  ymax = max([STREAMING_READ_TB_S, float(copy or 0)] + [float(r["tb_per_s"]) for r in rows])
+  ymax = max([STREAMING_READ_TB_S if h200_anchors else 0.0, float(copy or 0)]
+             + [float(r["tb_per_s"]) for r in rows]) or 1.0
   ax.set_ylim(0, ymax * 1.12)
   ax.grid(True, axis="y", alpha=0.3)
   ax.set_title(f"Paged decode attention, KV read rate — {data.get('device', '?')}, "

@@ -2,7 +2,7 @@
 
 Importable by the tests and by the cross-process peer script (tests/_transfer_peer.py).
 """
-import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,21 @@ def slots_for(block_ids, num_tokens, block_size):
   return (np.asarray(block_ids)[pos // block_size] * block_size + pos % block_size).astype(np.int32)
 
 
+@functools.partial(jax.jit, static_argnums=(4,))
+def _write(cache, k, v, slots, spec, k_scale, v_scale):
+  return kvjax.write_kv(cache, k, v, slots, spec, k_scale=k_scale, v_scale=v_scale,
+                        impl="reference")
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "scale"))
+def attention(q, cache, spec, query_start_loc, seq_lens, block_table, scale, k_scale=None,
+              v_scale=None):
+  """Jitted reference attention (causal, no extras) for the transfer tests."""
+  return kvjax.unified_attention(q, cache, spec, query_start_loc=query_start_loc,
+                                 seq_lens=seq_lens, block_table=block_table, scale=scale,
+                                 k_scale=k_scale, v_scale=v_scale, impl="reference")
+
+
 def write_rank_caches(spec, tp, total_heads, k, v, block_ids, num_blocks, devices, fill=None,
                       k_scale=None, v_scale=None):
   """Per-rank caches of a TP group with the request's K/V written at ``block_ids``.
@@ -51,8 +66,7 @@ def write_rank_caches(spec, tp, total_heads, k, v, block_ids, num_blocks, device
     heads = np.asarray(kvjax.transfer.local_heads(r, tp, total_heads))
     cache = spec.allocate(num_blocks) if fill is None else jnp.asarray(fill[r])
     cache = cache.at[np.asarray(block_ids)].set(0)
-    cache = kvjax.write_kv(cache, k[:, heads], v[:, heads], slots, spec, k_scale=k_scale,
-                           v_scale=v_scale, impl="reference")
+    cache = _write(cache, k[:, heads], v[:, heads], slots, spec, k_scale, v_scale)
     out.append(jax.device_put(cache, devices[r]))
   return out
 
@@ -74,5 +88,3 @@ def poison_caches(spec, tp, num_blocks, seed):
 def as_bytes(x):
   return np.asarray(jax.device_get(x)).view(np.uint8)
 
-
-_ = dataclasses

@@ -5,7 +5,8 @@ its device, ``H / P`` heads or one replicated head), the decode side likewise.
 A transfer of a request's blocks is, per decode rank:
 
 1. gather the request's pages from each source rank's cache as bytes
-   (uint8 ``[n, remote_page_bytes]``, on the source device);
+   (uint8 ``[n, remote_page_bytes]``, on the source device) and keep only the byte runs
+   the plan reads (so each decode rank receives exactly its page bytes);
 2. ``jax.device_put`` them to the decode device;
 3. assemble local pages by the plan's byte reads (uint8 ``[n, local_page_bytes]``);
 4. scatter them into the decode cache at the decode request's block ids.
@@ -121,10 +122,12 @@ def receive_into(cache, spec, sources: Dict[int, jax.Array], reads, dst_block_id
                  permute: bool, remote_spec=None):
   """Assemble local pages from received remote byte pages and scatter them into ``cache``.
 
-  sources: remote rank -> uint8 ``[n, remote_page_bytes]`` on ``cache``'s device.
+  sources: remote rank -> uint8 ``[n, remote_page_bytes]`` (moved to ``cache``'s device).
   permute: NHD pages -> HND before the reads, back to NHD after (needs ``remote_spec``).
   Returns the new cache (``cache`` is donated).
   """
+  dev = _device_of(cache)
+  sources = {k: jax.device_put(v, dev) for k, v in sources.items()}
   if permute:
     sources = {k: permute_page_bytes(v, remote_spec, "HND") for k, v in sources.items()}
   pages = assemble_pages(sources, reads)
@@ -156,14 +159,19 @@ def _device_of(x) -> jax.Device:
   return devs[0]
 
 
-def _check_ids(src_block_ids, dst_block_ids, src_blocks: int, dst_blocks: int):
-  src = PL._check_block_ids("src_block_ids", src_block_ids, src_blocks)
-  dst = PL._check_block_ids("dst_block_ids", dst_block_ids, dst_blocks)
-  if src.shape != dst.shape:
-    raise ValueError(f"src_block_ids ({src.size}) and dst_block_ids ({dst.size}) differ in length")
+def _check_block_ids_distinct(dst_block_ids, num_blocks: int) -> np.ndarray:
+  dst = PL._check_block_ids("dst_block_ids", dst_block_ids, num_blocks)
   if len(set(dst.tolist())) != dst.size:
     raise ValueError(f"dst_block_ids must be distinct, got {dst.tolist()}")
-  return src.astype(np.int32), dst.astype(np.int32)
+  return dst.astype(np.int32)
+
+
+def _check_ids(src_block_ids, dst_block_ids, src_blocks: int, dst_blocks: int):
+  src = PL._check_block_ids("src_block_ids", src_block_ids, src_blocks)
+  dst = _check_block_ids_distinct(dst_block_ids, dst_blocks)
+  if src.shape != dst.shape:
+    raise ValueError(f"src_block_ids ({src.size}) and dst_block_ids ({dst.size}) differ in length")
+  return src.astype(np.int32), dst
 
 
 def transfer_blocks(prefill_caches: Sequence[jax.Array], decode_caches: Sequence[jax.Array],
@@ -200,14 +208,41 @@ def transfer_blocks(prefill_caches: Sequence[jax.Array], decode_caches: Sequence
                                total_num_kv_heads=total_num_kv_heads, is_mla=mla)
     dev = _device_of(cache)
     sources = {}
+    if not permute:  # move only the bytes the plan reads: slice on the source device
+      reads, sends = compact_reads(reads)
     for s in sorted({rd.remote_rank for rd in reads}):
       if s not in gathered:
         gathered[s] = gather_page_bytes(prefill_caches[s], src)
-      sources[s] = jax.device_put(gathered[s], dev)
+      chunk = gathered[s] if permute else slice_reads(gathered[s], sends[s])
+      sources[s] = jax.device_put(chunk, dev)
     out.append(receive_into(cache, spec, sources, reads, dst, permute=permute, remote_spec=rspec))
   return out
 
 
+def compact_reads(reads: Sequence[PL.Read]):
+  """Split a plan into what each source sends and how the receiver reads it.
+
+  Returns (reads over compact buffers, {remote rank: the reads it sends, in buffer order}):
+  the sender concatenates its runs (:func:`slice_reads`), so only the local page's bytes
+  move; the receiver's reads then index that compact buffer.
+  """
+  sends: Dict[int, List[PL.Read]] = {}
+  compact = []
+  for r in sorted(reads, key=lambda r: r.local_offset):
+    runs = sends.setdefault(r.remote_rank, [])
+    offset = sum(x.length for x in runs)
+    runs.append(r)
+    compact.append(PL.Read(r.remote_rank, offset, r.length, r.local_offset))
+  return compact, {k: tuple(v) for k, v in sends.items()}
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def slice_reads(pages, reads):
+  """The bytes ``reads`` take from byte pages ``[n, page_bytes]``, concatenated: ``[n, sum]``."""
+  parts = [pages[:, r.remote_offset:r.remote_offset + r.length] for r in reads]
+  return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
 __all__ = ["to_bytes", "from_bytes", "gather_page_bytes", "scatter_page_bytes", "assemble_pages",
            "hnd_twin", "permute_page_bytes", "needs_permute", "rank_plan", "receive_into",
-           "transfer_blocks"]
+           "transfer_blocks", "compact_reads", "slice_reads"]
