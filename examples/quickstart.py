@@ -1,6 +1,6 @@
-"""kvjax quick start: a packed paged KV cache, a ragged attention batch, and torch on the same bytes.
+"""kvjax quick start: a packed paged KV cache, ragged attention, and torch on the same bytes.
 
-Run:  python examples/quickstart.py [--layout NHD|HND] [--cache-dtype auto|fp8|int8_per_token_head|...]
+Run:  python examples/quickstart.py [--layout NHD|HND] [--cache-dtype auto|fp8|nvfp4|...]
 
 What it does (a serving step in miniature):
   1. describes the cache with a KVCacheSpec and allocates it (the *physical* array is the value),
@@ -43,7 +43,7 @@ def parse_args(argv=None):
   p.add_argument("--layout", default="NHD", choices=kvjax.LAYOUTS)
   p.add_argument("--cache-dtype", default="auto", choices=sorted(kvjax.CACHE_FORMATS))
   p.add_argument("--impl", default="auto", choices=("auto", "pallas", "reference"),
-                 help="kernel choice for write and attention (auto: Pallas on GPU, reference on CPU)")
+                 help="write/attention kernels (auto: Pallas on GPU, the reference on CPU)")
   p.add_argument("--num-kv-heads", type=int, default=2)
   p.add_argument("--num-q-heads", type=int, default=8)
   p.add_argument("--head-size", type=int, default=64)
@@ -137,20 +137,13 @@ def torch_step(cache, spec):
   except ImportError as e:
     print(f"      torch step skipped: {e}", flush=True)
     return None
-  t = to_torch(cache, spec)
-  jax_ptr = cache.unsafe_buffer_pointer()
-  same = t.data_ptr() == jax_ptr
-  # Compare bytes: bring the tensor to the physical order, whatever view to_torch returns.
-  phys = spec.physical_shape(cache.shape[0])
-  if tuple(t.shape) != phys:
-    order = spec.stride_order()
-    t_phys = t.permute(*order)
-  else:
-    t_phys = t
+  t = to_torch(cache, spec)          # vLLM's logical (B, H, N, C) view over JAX's buffer
+  same = t.data_ptr() == cache.unsafe_buffer_pointer()
+  t_phys = t.permute(*spec.stride_order())   # physical order: contiguous, the same bytes
   t_bytes = t_phys.contiguous().view(torch.uint8).cpu().numpy().ravel()
   j_bytes = np.asarray(cache).view(np.uint8).ravel()
   return dict(shape=tuple(t.shape), stride=tuple(t.stride()), dtype=str(t.dtype),
-              device=str(t.device), same_pointer=same,
+              device=str(t.device), same_pointer=same, contiguous=t_phys.is_contiguous(),
               bytes_equal=bool(np.array_equal(t_bytes, j_bytes)))
 
 
@@ -173,14 +166,14 @@ def main(argv=None):
   step(2, total, "write history and this step's K/V by slot mapping")
   batch = build_batch(spec, args.num_blocks, rng)
   h, d = spec.num_kv_heads, spec.head_size
-  # Keep the model's K/V modest so every cache dtype holds them well (nvfp4 is 4-bit).
+  # Random bf16 K/V [T, H, D]: the history (prefixes) and this step's new tokens + padding.
   mk = lambda t: jnp.asarray(rng.standard_normal((t, h, d)).astype(np.float32)).astype(jnp.bfloat16)
   k_hist, v_hist = mk(len(batch["history_slots"])), mk(len(batch["history_slots"]))
   k_new, v_new = mk(len(batch["step_slots"])), mk(len(batch["step_slots"]))   # tail = padding
   scales = {}
   if spec.format.has_tensor_scales:   # global scales of fp8 per-tensor and nvfp4 caches
-    scales = dict(k_scale=jnp.float32(0.05 if spec.cache_dtype != "nvfp4" else 1 / 64),
-                  v_scale=jnp.float32(0.05 if spec.cache_dtype != "nvfp4" else 1 / 64))
+    gs = jnp.float32(1 / 64 if spec.cache_dtype == "nvfp4" else 0.05)
+    scales = dict(k_scale=gs, v_scale=gs)
   # Scales travel as jit arguments (traced values), the spec as a closed-over static.
   write = jax.jit(lambda c, k, v, s, sc: kvjax.write_kv(c, k, v, s, spec, impl=args.impl, **sc),
                   donate_argnums=0)
@@ -192,12 +185,13 @@ def main(argv=None):
     return state["cache"]
   w_first, w_ms, cache = timed(write_step, args.repeats)   # rewriting the same slots is idempotent
 
-  step(3, total, "unified attention over the ragged batch (1 prefill with cached prefix + 3 decodes)")
+  step(3, total, "unified attention, ragged batch (1 prefill with cached prefix + 3 decodes)")
   num_q = int(batch["query_start_loc"][-1])
   q = jnp.asarray(rng.standard_normal((num_q + PAD_TOKENS, args.num_q_heads, d))
                   .astype(np.float32)).astype(jnp.bfloat16)
   meta = dict(query_start_loc=jnp.asarray(batch["query_start_loc"]),
-              seq_lens=jnp.asarray(batch["seq_lens"]), block_table=jnp.asarray(batch["block_table"]))
+              seq_lens=jnp.asarray(batch["seq_lens"]),
+              block_table=jnp.asarray(batch["block_table"]))
   sm_scale = d ** -0.5
   max_q = max(qn for _, qn in batch["seqs"])
   attend = jax.jit(lambda q, c, m, sc: kvjax.unified_attention(
@@ -219,6 +213,8 @@ def main(argv=None):
 
   step(5, total, "report")
   impl_used = args.impl if args.impl != "auto" else ("reference" if backend == "cpu" else "pallas")
+  if impl_used == "pallas" and backend == "cpu":
+    impl_used += ", interpret mode"
   rows = [
       ("backend / device", f"{backend} / {device.device_kind}"),
       ("impl", f"{impl_used} (requested {args.impl})"),
@@ -229,8 +225,9 @@ def main(argv=None):
                 f"{num_q} query tokens + {PAD_TOKENS} padding"),
       ("output", f"{tuple(out.shape)} {out.dtype}"),
       ("max error vs reference", f"{err_ref:.3e}"),
-      ("max error vs dense attention", f"{err_dense:.3e} (on the original K/V; "
-                                       f"{'quantization included' if spec.format.is_quantized else 'bf16 rounding'})"),
+      ("max error vs dense attention",
+       f"{err_dense:.3e} (on the original K/V; "
+       f"{'quantization included' if spec.format.is_quantized else 'bf16 rounding'})"),
       ("padding rows zero", "yes" if pad_zero else "NO"),
       ("write_kv ms", f"first {w_first:.1f} (compile), then {w_ms:.3f}"),
       ("attention ms", f"first {a_first:.1f} (compile), then {a_ms:.3f}"),
@@ -239,7 +236,8 @@ def main(argv=None):
     rows.append(("torch", "skipped (torch or torch_bridge not importable)"))
   else:
     rows += [("torch tensor", f"{tinfo['shape']} {tinfo['dtype']} stride {tinfo['stride']} "
-                              f"on {tinfo['device']}"),
+                              f"on {tinfo['device']} (logical view; physical order contiguous: "
+                              f"{'yes' if tinfo['contiguous'] else 'NO'})"),
              ("pointer shared", "yes" if tinfo["same_pointer"] else "no (copied)"),
              ("torch bytes equal", "yes" if tinfo["bytes_equal"] else "NO")]
   width = max(len(k) for k, _ in rows)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import dispatch
 from kvjax import validation as V
@@ -35,7 +36,7 @@ def check_attention_args(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens,
     raise ValueError(f"sinks must have shape [{hq}] (one per query head), got {jnp.shape(sinks)}")
   if V.is_concrete(sl) and V.is_concrete(bt) and sl.size:
     cap = bt.shape[1] * spec.block_size
-    if int(jnp.max(sl)) > cap:
+    if int(np.max(np.asarray(sl))) > cap:
       raise ValueError(f"a seq_len exceeds block_table capacity {bt.shape[1]} blocks x "
                        f"{spec.block_size} = {cap}")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import dispatch
 from kvjax import validation as V
@@ -41,7 +42,7 @@ def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None):
   """Dequantized K and V of the given slots: two float32 ``[len(slots), H, D]`` arrays."""
   num_blocks = spec.num_blocks_of(cache)
   slots = V.check_slots(slots, num_blocks * spec.block_size)
-  if V.is_concrete(slots) and slots.size and int(jnp.min(slots)) < 0:
+  if V.is_concrete(slots) and slots.size and int(np.min(np.asarray(slots))) < 0:
     raise ValueError("read_kv slots must be non-negative")
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)

@@ -10,7 +10,11 @@ from kvjax.spec import KVCacheSpec
 
 
 def is_concrete(x) -> bool:
-  """True when ``x`` has values we can read now (not a tracer under jit)."""
+  """True when ``x`` has values we can read now (not a tracer under jit).
+
+  Read such values with numpy, never jnp: under ``jit`` a jnp op on a closed-over
+  concrete array is traced.
+  """
   return not isinstance(x, jax.core.Tracer)
 
 
@@ -41,7 +45,7 @@ def check_slots(slot_mapping, num_slots: int):
   """slot_mapping: int ``[T]``; every non-negative slot < num_slots (checked when concrete)."""
   slot_mapping = check_int_array("slot_mapping", slot_mapping, 1)
   if is_concrete(slot_mapping) and slot_mapping.size:
-    hi = int(jnp.max(slot_mapping))
+    hi = int(np.max(np.asarray(slot_mapping)))
     if hi >= num_slots:
       raise ValueError(f"slot_mapping holds slot {hi} >= num_blocks * block_size = {num_slots}")
   return slot_mapping
@@ -60,7 +64,7 @@ def check_scales(spec: KVCacheSpec, k_scale, v_scale):
     if shape not in allowed and shape != (1,):
       raise ValueError(f"{name} must be a scalar{' or shape [H]' if len(allowed) > 1 else ''} "
                        f"for cache_dtype={spec.cache_dtype!r}, got shape {shape}")
-    if is_concrete(s) and not bool(jnp.all(jnp.asarray(s) > 0)):
+    if is_concrete(s) and not bool(np.all(np.asarray(s) > 0)):
       raise ValueError(f"{name} must be positive")
 
 

@@ -182,3 +182,17 @@ def test_nvfp4_split_view_matches_geometry(rng):
     for geo, view in ((d_geo, data), (s_geo, scale)):
       strided = np.lib.stride_tricks.as_strided(flat[geo.offset:], geo.shape, geo.strides)
       np.testing.assert_array_equal(strided, np.asarray(view).view(np.uint8))
+
+
+def test_closed_over_concrete_arguments_under_jit(rng):
+  """Concrete scales and slots closed over by a jitted function are checked, not traced."""
+  spec = spec_for("fp8", num_kv_heads=2)
+  key, value = random_kv(rng, spec, 4)
+  slots = random_slots(rng, spec, 2, 4)
+  out = jax.jit(lambda c: kvjax.write_kv(c, key, value, slots, spec, k_scale=jnp.float32(.5),
+                                         v_scale=jnp.float32(.25)))(spec.allocate(2))
+  k, v = kvjax.read_kv(out, spec, slots, k_scale=0.5, v_scale=0.25)
+  assert_roundtrip(spec, key, k, 0.5)
+  bad = jnp.asarray([0, 1, 2, 999], jnp.int32)
+  with pytest.raises(ValueError, match="slot"):
+    jax.jit(lambda c: kvjax.write_kv(c, key, value, bad, spec))(spec.allocate(2))

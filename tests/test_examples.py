@@ -1,0 +1,157 @@
+"""Every example script and the layout-tour notebook run to completion on CPU.
+
+Scripts run as subprocesses (CPU, timeout) from the repository root; each known
+script's report lines are checked, others must exit 0. The notebook runs with
+nbclient on the ``python3`` kernel.
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+SCRIPT_TIMEOUT_S = 240
+NOTEBOOK = EXAMPLES / "layout_tour.ipynb"
+
+# Extra argument sets per script (each runs once per entry); scripts not listed run once bare.
+ARGS = {
+    "quickstart.py": [[], ["--layout", "HND", "--cache-dtype", "nvfp4", "--repeats", "1"],
+                      ["--impl", "pallas", "--repeats", "1"]],   # Pallas kernels, interpret mode
+    "torch_interop.py": [[], ["--layout", "HND", "--cache-dtype", "int8_per_token_head"],
+                         ["--cache-dtype", "fp8"]],
+}
+
+
+def _cases():
+  cases = []
+  for script in sorted(EXAMPLES.glob("*.py")):
+    for args in ARGS.get(script.name, [[]]):
+      cases.append(pytest.param(script, args, id=" ".join([script.stem] + args)))
+  return cases
+
+
+def _env():
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONUNBUFFERED"] = "1"
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+  env.pop("XLA_FLAGS", None)  # one CPU device, as a newcomer's machine has
+  return env
+
+
+def _run(script, args):
+  if script.name == "torch_interop.py":
+    args = list(args) + ["--device", "cpu"]   # JAX runs on CPU here even where CUDA exists
+  proc = subprocess.run([sys.executable, str(script)] + list(args), cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+  assert proc.returncode == 0, (f"{script.name} {args} exited {proc.returncode}\n"
+                                f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
+                                f"{proc.stderr[-4000:]}")
+  return proc.stdout
+
+
+def _field(out, name):
+  m = re.search(rf"^\s*{re.escape(name)}\s*:\s*(.+)$", out, re.M)
+  assert m, f"report line {name!r} missing in:\n{out}"
+  return m.group(1).strip()
+
+
+def _torch_bridge_has(name):
+  try:
+    import torch_bridge
+  except ImportError:
+    return False
+  return hasattr(torch_bridge, name)
+
+
+def check_quickstart(out, args):
+  for i in range(1, 6):
+    assert f"[{i}/5]" in out, f"progress line [{i}/5] missing"
+  assert "kvjax quickstart report" in out
+  assert _field(out, "backend / device").startswith("cpu")
+  assert float(_field(out, "max error vs reference")) < 2e-2
+  dense = float(_field(out, "max error vs dense attention").split()[0])
+  cache_dtype = args[args.index("--cache-dtype") + 1] if "--cache-dtype" in args else "auto"
+  # bf16 rounding only for a plain cache; quantization error for the others (nvfp4 is 4-bit)
+  assert dense < {"auto": 2e-2, "nvfp4": 0.6}[cache_dtype]
+  assert _field(out, "padding rows zero") == "yes"
+  if "pallas" in args:
+    assert _field(out, "impl").startswith("pallas, interpret mode")
+  if _torch_bridge_has("to_torch"):
+    assert _field(out, "torch bytes equal") == "yes"
+    _field(out, "pointer shared")
+  assert out.rstrip().splitlines()[-1] == "OK"
+
+
+def check_torch_interop(out, args):
+  if not _torch_bridge_has("PagedAttentionBackend"):
+    assert "torch_bridge facade not available" in out
+    return
+  assert "torch interop report" in out
+  assert _field(out, "cache data_ptr unchanged") == "yes"
+  assert _field(out, "output written in place") == "yes"
+  dense = _field(out, "max error vs SDPA on original K/V")
+  err, tol = float(dense.split()[0]), float(re.search(r"tolerance (\S+)\)", dense).group(1))
+  assert err < tol <= (2e-2 if "--cache-dtype" not in args else 0.25)
+  paged = _field(out, "max error vs SDPA on paged K/V")   # int8 and fp8 read through views
+  assert float(paged.split()[0]) < 2e-2
+  assert _field(out, "JAX buffer pointer == torch pointer") == "yes"
+  assert out.rstrip().splitlines()[-1] == "OK"
+
+
+CHECKS = {"quickstart.py": check_quickstart, "torch_interop.py": check_torch_interop}
+
+
+@pytest.mark.parametrize("script,args", _cases())
+def test_example_script_runs(script, args):
+  out = _run(script, args)
+  check = CHECKS.get(script.name)
+  if check is not None:
+    check(out, args)
+
+
+def test_quickstart_rejects_bad_flags():
+  proc = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py"), "--layout", "XYZ"],
+                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_notebook_is_committed_without_outputs():
+  nbformat = pytest.importorskip("nbformat")
+  nb = nbformat.read(str(NOTEBOOK), as_version=4)
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  assert code and all(not c.outputs and c.execution_count is None for c in code)
+  assert NOTEBOOK.stat().st_size < 40_000
+
+
+def test_notebook_executes(monkeypatch):
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  pytest.importorskip("ipykernel")
+  for k, v in _env().items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  nb = nbformat.read(str(NOTEBOOK), as_version=4)
+  client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=150,
+                                   resources={"metadata": {"path": str(ROOT)}})
+  client.execute()
+  text, images = [], 0
+  for cell in nb.cells:
+    for o in cell.get("outputs", []):
+      assert o.output_type != "error", f"{o.get('ename')}: {o.get('evalue')}"
+      if o.output_type == "stream":
+        text.append(o.text)
+      elif "image/png" in o.get("data", {}):
+        images += 1
+  text = "".join(text)
+  # the contract's worked numbers (shared/spec/layout.md §3, §5)
+  assert "strides (32768, 2048, 256, 1)" in text and "strides (32768, 256, 4096, 1)" in text
+  assert "(2112, 132, 66) float32 offsets 32 65" in text
+  assert "@ 8192" in text and "@ 9216" in text
+  err = float(re.search(r"max \|out - reference\| = (\S+)", text).group(1))
+  assert err < 2e-2
+  assert images >= 1
