@@ -11,7 +11,7 @@ from kvjax.spec import KVCacheSpec
 
 
 def check_attention_args(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens, block_table,
-                         sliding_window, soft_cap, sinks):
+                         sliding_window, soft_cap, sinks, max_query_len=None):
   spec.num_blocks_of(cache)
   if q.ndim != 3:
     raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
@@ -34,6 +34,14 @@ def check_attention_args(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens,
     raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
   if sinks is not None and tuple(jnp.shape(sinks)) != (hq,):
     raise ValueError(f"sinks must have shape [{hq}] (one per query head), got {jnp.shape(sinks)}")
+  if max_query_len is not None:
+    if not isinstance(max_query_len, int) or max_query_len < 1:
+      raise ValueError(f"max_query_len must be a positive Python int or None, got "
+                       f"{max_query_len!r}")
+    if V.is_concrete(qsl) and qsl.size > 1:
+      longest = int(np.max(np.diff(np.asarray(qsl))))
+      if longest > max_query_len:
+        raise ValueError(f"a sequence has {longest} query tokens > max_query_len={max_query_len}")
   if V.is_concrete(sl) and V.is_concrete(bt) and sl.size:
     cap = bt.shape[1] * spec.block_size
     if int(np.max(np.asarray(sl))) > cap:
@@ -55,7 +63,7 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
   Returns ``[T, Hq, D]`` in q's dtype.
   """
   check_attention_args(q, cache, spec, query_start_loc, seq_lens, block_table, sliding_window,
-                       soft_cap, sinks)
+                       soft_cap, sinks, max_query_len)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
   impl, interpret = dispatch.choose(impl, interpret)

@@ -120,6 +120,7 @@ def test_public_entry_defaults_to_reference_on_cpu_and_validates(rng):
       (dict(sinks=jnp.zeros(3)), ValueError, "sinks"),
       (dict(seq_lens=meta["seq_lens"] + 1000), ValueError, "capacity"),
       (dict(impl="cuda"), ValueError, "impl"),
+      (dict(max_query_len=2), ValueError, "max_query_len"),
   ]
   for override, err, match in bad:
     args = dict(q=q, cache=cache, spec=spec, scale=0.2, **meta)
