@@ -3,6 +3,11 @@
 Row functions work on any leading shape: ``x [..., D]`` is one (token, head)
 row per leading index. The same formulas are the oracle for the Pallas write
 kernels, which must store bit-identical bytes.
+
+Divisions are written as multiplications by a float32 reciprocal (``x * (1/s)``,
+``a * f32(1/15)``): that is the form XLA's algebraic simplifier turns ``x / s``
+into under ``jit``, so writing it out makes eager, jitted and kernel results the
+same bits. Only a true elementwise ``a / b`` (int4's zero point) stays a division.
 """
 from __future__ import annotations
 
@@ -28,6 +33,11 @@ def _finite_max(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
 
+def _times_inverse(x, c: float):
+  """``x / c`` for a constant ``c``, as ``x * f32(1 / c)``."""
+  return x * (np.float32(1.0) / np.float32(c))
+
+
 # -- fp8 per tensor --------------------------------------------------------------------------
 def per_head_scale(scale, num_heads: int):
   """A scalar or [H] float32 scale, shaped to broadcast over ``[..., H, D]``."""
@@ -42,7 +52,7 @@ def per_head_scale(scale, num_heads: int):
 def quantize_fp8_per_tensor(x, scale, fp8_dtype):
   """``x [..., H, D]`` -> fp8 ``x / scale`` saturated to the finite range."""
   m = _finite_max(fp8_dtype)
-  y = x.astype(jnp.float32) / per_head_scale(scale, x.shape[-2])
+  y = x.astype(jnp.float32) * (1.0 / per_head_scale(scale, x.shape[-2]))
   return jnp.clip(y, -m, m).astype(fp8_dtype)
 
 
@@ -71,14 +81,14 @@ def quantize_per_token_head(x, fmt: F.CacheFormat):
   x = x.astype(jnp.float32)
   if fmt.quant == "int4":
     lo, hi = jnp.min(x, -1), jnp.max(x, -1)
-    scale = jnp.maximum((hi - lo) / 15.0, SCALE_EPS)
+    scale = jnp.maximum(_times_inverse(hi - lo, 15.0), SCALE_EPS)
     zp = jnp.clip(jnp.round(-lo / scale), 0, 15)
-    q = jnp.clip(jnp.round(x / scale[..., None] + zp[..., None]), 0, 15)
+    q = jnp.clip(jnp.round(x * (1.0 / scale)[..., None] + zp[..., None]), 0, 15)
     bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
     bits = (bits & jnp.uint32(0xFFFFFFF0)) | zp.astype(jnp.uint32)
     return _int4_pack(q), jax.lax.bitcast_convert_type(bits, jnp.float32)
-  scale = jnp.maximum(jnp.max(jnp.abs(x), -1) / fmt.qmax, SCALE_EPS)
-  y = x / scale[..., None]
+  scale = jnp.maximum(_times_inverse(jnp.max(jnp.abs(x), -1), fmt.qmax), SCALE_EPS)
+  y = x * (1.0 / scale)[..., None]
   if fmt.quant == np.dtype(np.int8):
     return jnp.clip(round_half_away_from_zero(y), -128, 127).astype(jnp.int8), scale
   q = jnp.clip(y, -fmt.qmax, fmt.qmax).astype(fmt.quant)
@@ -136,9 +146,10 @@ def quantize_nvfp4(x, global_scale):
   x = x.astype(jnp.float32)
   gs = 1.0 / jnp.asarray(1.0 if global_scale is None else global_scale, jnp.float32)
   g = x.reshape(x.shape[:-1] + (x.shape[-1] // 16, 16))
-  sf = jnp.clip(gs * jnp.max(jnp.abs(g), -1) / 6.0, 0, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  sf = jnp.clip(_times_inverse(gs * jnp.max(jnp.abs(g), -1), 6.0), 0, E4M3_MAX)
+  sf = sf.astype(jnp.float8_e4m3fn)
   sf32 = sf.astype(jnp.float32)[..., None]
-  y = jnp.where(sf32 == 0, 0.0, g * gs / jnp.where(sf32 == 0, 1.0, sf32))
+  y = jnp.where(sf32 == 0, 0.0, (g * gs) * (1.0 / jnp.where(sf32 == 0, 1.0, sf32)))
   code = e2m1_encode(y).reshape(x.shape)
   packed = code[..., 0::2] | (code[..., 1::2] << 4)
   return packed, sf

@@ -1,7 +1,11 @@
 """Pallas cache write by slot mapping, quantize-on-write for every cache dtype (spec §4, §5).
 
 Entry point :func:`write_kv` (called by ``kvjax.write_kv`` after validation). It stores
-the same bytes as ``kvjax.reference.cache_update.write_kv``.
+the same bytes as ``kvjax.reference.cache_update.write_kv`` under ``jax.jit``: the quantizer
+arithmetic is written in the form XLA compiles the reference to (reciprocal multiplies, IEEE
+division), see :mod:`pallas_kernels.cache_update_math`. (On the H200, XLA-GPU's own compile of
+the int8 / int4 per-token-head reference differs from XLA-CPU's in a few bytes, so those two are
+exact against the CPU reference only: benchmarks/results/write.md.)
 
 How it works. The physical cache is handed to the kernel whole
 (``BlockSpec(memory_space=pl.ANY)``) as a 2-D *row table* (a free reshape of the
@@ -43,15 +47,29 @@ _MAX_ROWS = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class WriteConfig:
-  """Launch parameters of the write kernel (GPU; interpret mode ignores warps/stages)."""
+  """Launch parameters of the write kernel (GPU; interpret mode ignores warps/stages).
+
+  :func:`default_config` picks them per format from H200 measurements
+  (benchmarks/results/write.md).
+  """
   tokens_per_program: int = 1
   num_warps: int = 4
   num_stages: int = 1
+  pair_split: bool = False   # int4/nvfp4: load rows contiguously and split even/odd lanes in
+                             # registers (True) instead of two stride-2 gathers (False)
 
   def __post_init__(self):
     tb = self.tokens_per_program
     if tb < 1 or tb & (tb - 1):
       raise ValueError(f"tokens_per_program={tb} must be a power of two")
+
+
+def default_config(spec: KVCacheSpec) -> WriteConfig:
+  """Measured on the H200 (8192 tokens, H=8, D=128): plain / fp8 rows 8 tokens a program;
+  quantize-heavy formats 1 token a program with contiguous pair loads."""
+  if spec.format.kind in (F.PLAIN, F.FP8_PER_TENSOR):
+    return WriteConfig(tokens_per_program=8, num_warps=4)
+  return WriteConfig(tokens_per_program=1, num_warps=4, pair_split=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +91,14 @@ class _Plan:
   tb: int               # tokens per program
   storage: np.dtype
   gpu: bool
+  pair_split: bool
 
   @property
   def rows(self) -> int:
     return self.tb * self.heads_p
 
 
-def _plan(cache, spec: KVCacheSpec, num_tokens: int, tb: int, gpu: bool) -> _Plan:
+def _plan(cache, spec: KVCacheSpec, num_tokens: int, config: WriteConfig, gpu: bool) -> _Plan:
   fmt = spec.format
   b = cache.shape[0]
   h, n = spec.num_kv_heads, spec.block_size
@@ -92,8 +111,8 @@ def _plan(cache, spec: KVCacheSpec, num_tokens: int, tb: int, gpu: bool) -> _Pla
   if num_rows > _MAX_ROWS:
     raise ValueError(f"cache has {num_rows} rows, more than the kernel's int32 row index allows")
   return _Plan(fmt.kind, fmt.quant, fmt.qmax, spec.layout, h, M.next_pow2(h), spec.head_size, n,
-               spec.data_dim, spec.padded_head_size, content, num_rows, num_tokens, tb,
-               spec.storage_dtype, gpu)
+               spec.data_dim, spec.padded_head_size, content, num_rows, num_tokens,
+               config.tokens_per_program, spec.storage_dtype, gpu, config.pair_split)
 
 
 # -- shared pieces of the kernel body ------------------------------------------------------------
@@ -120,12 +139,28 @@ def _cols(n: int, n_valid: int):
   return c, jnp.minimum(c, n_valid - 1), c < n_valid
 
 
-def _load_rows(ref, src_row, cols):
-  """Gather ``ref[src_row, cols]`` -> ``[rows, len(cols)]`` as float32."""
+def _load_rows(ref, src_row, cols, dtype=jnp.float32):
+  """Gather ``ref[src_row, cols]`` -> ``[rows, len(cols)]`` converted to ``dtype``."""
   shape = (src_row.shape[0], cols.shape[0])
   x = pltriton.load(ref.at[jnp.broadcast_to(src_row[:, None], shape),
                            jnp.broadcast_to(cols[None, :], shape)])
-  return x.astype(jnp.float32)
+  return x.astype(dtype)
+
+
+def _load_pairs(p: _Plan, ref, src_row, num_pairs: int, num_cols: int):
+  """Even and odd elements ``[rows, num_pairs]`` (float32) of source rows with ``num_cols`` valid
+  columns; pairs past the end repeat the last pair (harmless for min / max / amax)."""
+  if p.pair_split:
+    c = jnp.arange(2 * num_pairs, dtype=_I32)
+    if 2 * num_pairs != num_cols:
+      c = jnp.minimum(c, num_cols - 1)
+    x = _load_rows(ref, src_row, c).reshape(src_row.shape[0], num_pairs, 2)
+    even, odd = jnp.split(x, 2, axis=2)
+    return even.reshape(even.shape[:2]), odd.reshape(odd.shape[:2])
+  j = jnp.arange(num_pairs, dtype=_I32)
+  if 2 * num_pairs != num_cols:
+    j = jnp.minimum(j, num_cols // 2 - 1)
+  return _load_rows(ref, src_row, 2 * j), _load_rows(ref, src_row, 2 * j + 1)
 
 
 def _store(out_ref, row, col, val, valid, col_mask):
@@ -145,27 +180,28 @@ def _encode_side(p: _Plan, mth: M.KernelMath, x_ref, scale_ref, src_row, h_ld, s
   dp = M.next_pow2(d)
   col, col_ld, cmask = _cols(dp, d)
   if p.kind == F.PLAIN:
-    return [(0, col, cmask, _load_rows(x_ref, src_row, col_ld).astype(p.storage))]
+    return [(0, col, cmask, _load_rows(x_ref, src_row, col_ld, p.storage))]
   if p.kind == F.FP8_PER_TENSOR:
     x = _load_rows(x_ref, src_row, col_ld)
     s = pltriton.load(scale_ref.at[h_ld + side * p.heads])
     m = float(jnp.finfo(p.storage).max)
-    y = jnp.clip(mth.div(x, s[:, None]), -m, m)
+    y = jnp.clip(x * mth.recip(s)[:, None], -m, m)
     return [(0, col, cmask, y.astype(p.storage))]
   byte_cols = jnp.arange(4, dtype=_I32)
   if p.quant == "int4":
     dh = dd                                    # D/2 packed bytes
     dhp = M.next_pow2(dh)
-    jcol, jld, jmask = _cols(dhp, dh)
-    xe = _load_rows(x_ref, src_row, 2 * jld)
-    xo = _load_rows(x_ref, src_row, 2 * jld + 1)
+    jcol, _, jmask = _cols(dhp, dh)
+    xe, xo = _load_pairs(p, x_ref, src_row, dhp, d)
     lo = jnp.minimum(jnp.min(xe, axis=1), jnp.min(xo, axis=1))
     hi = jnp.maximum(jnp.max(xe, axis=1), jnp.max(xo, axis=1))
-    scale = jnp.maximum(mth.div(hi - lo, 15.0), quant.SCALE_EPS)
+    scale = jnp.maximum(M.div_const(hi - lo, 15.0), quant.SCALE_EPS)
     zp = jnp.clip(M.round_half_even(mth.div(-lo, scale)), 0.0, 15.0)
 
-    def q(v):
-      return jnp.clip(M.round_half_even(mth.div(v, scale[:, None]) + zp[:, None]), 0.0,
+    r = mth.recip(scale)[:, None]
+
+    def q(v):   # x * (1/scale) + zp: the compiler may contract it into an fma, as XLA's may
+      return jnp.clip(M.round_half_even(mth.mul_add(v, r, zp[:, None])), 0.0,
                       15.0).astype(jnp.uint8)
 
     packed = q(xe) | (q(xo) << jnp.uint8(4))
@@ -174,8 +210,8 @@ def _encode_side(p: _Plan, mth: M.KernelMath, x_ref, scale_ref, src_row, h_ld, s
     sbytes = M.f32_to_bytes(jax.lax.bitcast_convert_type(bits, jnp.float32))
     return [(0, jcol, jmask, packed), (dd, byte_cols, None, sbytes)]
   x = _load_rows(x_ref, src_row, col_ld)
-  scale = jnp.maximum(mth.div(jnp.max(jnp.abs(x), axis=1), p.qmax), quant.SCALE_EPS)
-  y = mth.div(x, scale[:, None])
+  scale = jnp.maximum(M.div_const(jnp.max(jnp.abs(x), axis=1), p.qmax), quant.SCALE_EPS)
+  y = x * mth.recip(scale)[:, None]
   if p.quant == np.dtype(np.int8):
     data = jnp.clip(M.round_half_away(y), -128.0, 127.0).astype(jnp.int8)
   else:
@@ -212,10 +248,7 @@ def _nvfp4_kernel(p: _Plan, slots_ref, k_ref, v_ref, scale_ref, cache_in_ref, ou
   rows = p.rows
   shape3 = (rows, sp, 8)
   g = jnp.arange(sp, dtype=_I32)
-  g_ld = jnp.minimum(g, s - 1) if sp != s else g
   k8 = jnp.arange(8, dtype=_I32)
-  src = jnp.broadcast_to(src_row[:, None, None], shape3)
-  even_col = jnp.broadcast_to(g_ld[None, :, None] * 16 + 2 * k8[None, None, :], shape3)
   gmask = (g < s) if sp != s else None
   smask = jnp.broadcast_to(valid[:, None], (rows, sp))
   if gmask is not None:
@@ -227,18 +260,17 @@ def _nvfp4_kernel(p: _Plan, slots_ref, k_ref, v_ref, scale_ref, cache_in_ref, ou
   for side, x_ref in enumerate((k_ref, v_ref)):
     out_row = jnp.where(valid, 2 * blk + side, p.num_rows)
     gs = pltriton.load(scale_ref.at[h_ld + side * h])                     # (rows,)
-    xe = pltriton.load(x_ref.at[src, even_col]).astype(jnp.float32)       # (rows, sp, 8)
-    xo = pltriton.load(x_ref.at[src, even_col + 1]).astype(jnp.float32)
+    xe, xo = (x.reshape(shape3) for x in _load_pairs(p, x_ref, src_row, sp * 8, d))
     amax = jnp.maximum(jnp.max(jnp.abs(xe), axis=2), jnp.max(jnp.abs(xo), axis=2))
-    sf = jnp.clip(mth.div(gs[:, None] * amax, 6.0), 0.0, quant.E4M3_MAX).astype(
+    sf = jnp.clip(M.div_const(gs[:, None] * amax, 6.0), 0.0, quant.E4M3_MAX).astype(
         jnp.float8_e4m3fn)
     sf32 = sf.astype(jnp.float32)[:, :, None]
     zero = sf32 == 0.0
-    denom = jnp.where(zero, 1.0, sf32)
+    r = mth.recip(jnp.where(zero, 1.0, sf32))
     gs3 = gs[:, None, None]
 
     def code(v):
-      return M.e2m1_encode(jnp.where(zero, 0.0, mth.div(v * gs3, denom)))
+      return M.e2m1_encode(jnp.where(zero, 0.0, (v * gs3) * r))
 
     packed = code(xe) | (code(xo) << jnp.uint8(4))
     data_col = (tok_row[:, None, None] * dh + g[None, :, None] * 8 + k8[None, None, :])
@@ -278,15 +310,15 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
     slot_mapping: int ``[T]``, ``block * N + offset``; negative slots are skipped.
     k_scale, v_scale: fp8 per-tensor scales (scalar or ``[H]``) or nvfp4 global scales.
     interpret: run the kernel in Pallas interpret mode (CPU); else the Triton lowering.
-    config: :class:`WriteConfig` (tokens per program, warps).
+    config: :class:`WriteConfig` (tokens per program, warps); None = :func:`default_config`.
   Same stored bytes as ``kvjax.reference.cache_update.write_kv``. In place when the
   caller's ``jit`` donates ``cache``.
   """
-  config = config or WriteConfig()
+  config = config or default_config(spec)
   t = int(slot_mapping.shape[0])
   if t == 0:
     return cache
-  p = _plan(cache, spec, t, config.tokens_per_program, gpu=not interpret)
+  p = _plan(cache, spec, t, config, gpu=not interpret)
   h, d = spec.num_kv_heads, spec.head_size
   k2 = key.reshape(key.shape[0] * h, d)
   v2 = value.reshape(value.shape[0] * h, d)

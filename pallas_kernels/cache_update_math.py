@@ -6,10 +6,16 @@ elementwise ops, selects, equal-width bitcasts and integer shifts. Where the Tri
 lowering would differ from XLA it is worked around:
 
 - float32 division: Triton lowers ``/`` to ``div.full.f32`` (approximate, up to 2 ulp);
-  XLA divides with IEEE rounding. :func:`div` emits ``div.rn.f32`` on GPU.
+  XLA divides with IEEE rounding. :meth:`KernelMath.div` emits ``div.rn.f32`` on GPU.
+- XLA's algebraic simplifier rewrites divisions (under ``jit``, and eagerly inside one jnp
+  op): ``x / c`` for a literal ``c`` becomes ``x * f32(1/c)`` and ``x / broadcast(s)``
+  becomes ``x * broadcast(1/s)``. Neither is bit-identical to a true division, so the
+  reference computes e.g. ``(max - min) * f32(1/15)`` and ``x * (1/scale)[..., None]``.
+  The kernels write those forms explicitly (:func:`div_const`, :meth:`KernelMath.recip`).
 - ``jnp.round`` (half to even) has no Triton lowering: :func:`round_half_even` builds
   it from ``floor`` exactly.
 - the e2m1 decode table becomes a select chain; float32 <-> 4 bytes uses shifts.
+- float negation lowers to ``0 - x`` (so -(+0.0) is +0.0): signs are set as bits.
 """
 from __future__ import annotations
 
@@ -42,6 +48,19 @@ class KernelMath:
         "div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=f,f,f", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
     return out
+
+  def mul_add(self, x, r, z):
+    """``x * r + z`` as written: each compiler may contract it into an fma (XLA does on GPU)."""
+    return x * r + z
+
+  def recip(self, s):
+    """``1 / s`` rounded to nearest (what XLA hoists out of ``x / broadcast(s)``)."""
+    return self.div(jnp.ones_like(s), s)
+
+
+def div_const(x, c: float):
+  """``x / c`` for a literal ``c`` as XLA computes it under jit: ``x * f32(1 / c)``."""
+  return x * (np.float32(1.0) / np.float32(c))
 
 
 def round_half_even(v):
@@ -91,8 +110,8 @@ def signbit_u8(x):
   return (jax.lax.bitcast_convert_type(x, _U32) >> _U32(31)).astype(jnp.uint8)
 
 
-def e2m1_encode(y):
-  """float32 -> e2m1 code in [0, 15] (uint8); same rounding as ``quant.e2m1_encode``."""
+def e2m1_encode_compare(y):
+  """float32 -> e2m1 code in [0, 15] (uint8) by comparing with the 7 code boundaries."""
   a = jnp.abs(y)
   code = jnp.zeros(y.shape, jnp.uint8)
   for bound, tie_up in quant._E2M1_BOUNDS:   # pylint: disable=protected-access
@@ -101,14 +120,38 @@ def e2m1_encode(y):
   return code | (signbit_u8(y) << jnp.uint8(3))
 
 
+def e2m1_encode(y):
+  """float32 -> e2m1 code in [0, 15] (uint8); same codes as ``quant.e2m1_encode``.
+
+  Round to nearest even on the e2m1 grid with few instructions: below 1 the grid is
+  {0, 0.5, 1} (two comparisons); from 1 up, e2m1 is float32 rounded to one mantissa bit
+  (add the round-to-even bias to the bits, keep exponent and top mantissa bit), saturating
+  at code 7 (6.0). Integer-only on the bits, so no compiler can reassociate it.
+  """
+  a = jnp.abs(y)
+  sub = ((a > np.float32(0.25)).astype(_U32) + (a >= np.float32(0.75)).astype(_U32))
+  bits = jax.lax.bitcast_convert_type(a, _U32)
+  lsb = (bits >> _U32(22)) & _U32(1)
+  top = (bits + _U32(0x1FFFFF) + lsb) >> _U32(22)                     # (exp << 1) | mantissa
+  norm = jnp.minimum(top, _U32(259)) - _U32(252)                      # 1.0 -> 2 ... 6.0 -> 7
+  code = jnp.where(a < np.float32(1.0), sub, norm).astype(jnp.uint8)
+  return code | (signbit_u8(y) << jnp.uint8(3))
+
+
 def e2m1_decode(code):
-  """e2m1 code (uint8, low 4 bits) -> float32, a select chain over the 8 magnitudes."""
+  """e2m1 code (uint8, low 4 bits) -> float32, a select chain over the 8 magnitudes.
+
+  The sign goes in as a bit: the Triton lowering negates floats as ``0 - x``, which
+  turns -0.0 (code 8) into +0.0.
+  """
   m = code & jnp.uint8(7)
   mag = jnp.zeros(code.shape, jnp.float32)
   for i, val in enumerate(quant.E2M1_GRID.tolist()):
     if val:
       mag = jnp.where(m == i, jnp.float32(val), mag)
-  return jnp.where((code & jnp.uint8(8)) != 0, -mag, mag)
+  sign = (code & jnp.uint8(8)).astype(_U32) << _U32(28)
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(mag, _U32) | sign,
+                                      jnp.float32)
 
 
 def next_pow2(n: int) -> int:

@@ -34,17 +34,15 @@ def test_fp8_per_token_head_worked_example(rng):
 
 
 def _int8_numpy(x, scale):
-  y = x / scale[..., None]
+  y = x * (np.float32(1) / scale)[..., None]
   return np.clip(np.sign(y) * np.floor(np.abs(y) + 0.5), -128, 127).astype(np.int8)
 
 
 def test_int8_matches_numpy(rng):
   x = (rng.standard_normal((64, 4, 96)) * rng.uniform(0.01, 50, (64, 4, 1))).astype(np.float32)
   data, scale = quant.quantize_per_token_head(jnp.asarray(x), INT8)
-  s_np = np.maximum(np.abs(x).max(-1) / np.float32(127.0), np.float32(1e-6))
-  # XLA may divide by the constant 127 as a multiply by its reciprocal: 1 ulp apart at most.
-  np.testing.assert_allclose(np.asarray(scale), s_np, rtol=2.5e-7, atol=0)
-  s_np = np.asarray(scale)
+  s_np = np.maximum(np.abs(x).max(-1) * (np.float32(1) / np.float32(127)), np.float32(1e-6))
+  np.testing.assert_array_equal(np.asarray(scale), s_np)
   q_np = _int8_numpy(x, s_np)
   np.testing.assert_array_equal(np.asarray(data), q_np)
   back = np.asarray(quant.dequantize_per_token_head(data, scale, INT8))
@@ -55,18 +53,19 @@ def test_int4_matches_numpy(rng):
   x = (rng.standard_normal((32, 2, 64)) * 3 + rng.standard_normal((32, 2, 1))).astype(np.float32)
   packed, scale = quant.quantize_per_token_head(jnp.asarray(x), INT4)
   lo, hi = x.min(-1), x.max(-1)
-  s = np.maximum((hi - lo) / np.float32(15), np.float32(1e-6)).astype(np.float32)
+  s = np.maximum((hi - lo) * (np.float32(1) / np.float32(15)), np.float32(1e-6))
   zp = np.clip(np.round(-lo / s), 0, 15)
-  q = np.clip(np.round(x / s[..., None] + zp[..., None]), 0, 15).astype(np.uint8)
+  q = np.clip(np.round(x * (np.float32(1) / s)[..., None] + zp[..., None]), 0, 15)
+  q = q.astype(np.uint8)
   got = np.asarray(packed)
   got_q = np.stack([got & 0xF, got >> 4], -1).reshape(q.shape)
-  # XLA may divide by the constant 15 as a multiply by its reciprocal (scale 1 ulp apart), which
-  # can move a value sitting on a rounding boundary by one code; nothing else may differ.
+  # A compiler may contract x * (1/s) + zp into one fma, which can move a value sitting on a
+  # rounding boundary by one code (int4 is not among the bit-exact formats); nothing else.
   assert np.abs(got_q.astype(int) - q).max() <= 1 and (got_q == q).mean() > 0.99
   bits = np.asarray(scale).view(np.uint32)
   np.testing.assert_array_equal(bits & 0xF, zp.astype(np.uint32))
   masked = (bits & ~np.uint32(0xF)).view(np.float32)
-  np.testing.assert_allclose(masked, s, rtol=3e-6)
+  np.testing.assert_array_equal(masked, (s.view(np.uint32) & ~np.uint32(0xF)).view(np.float32))
   back = np.asarray(quant.dequantize_per_token_head(packed, scale, INT4))
   assert np.all(np.abs(back - x) <= s[..., None] * 0.5 * 1.001 + 1e-5)
 
@@ -98,9 +97,10 @@ def test_e2m1_grid_and_ties():
 def _nvfp4_numpy(x, global_scale):
   gs = np.float32(1.0) / np.float32(global_scale)
   g = x.reshape(x.shape[:-1] + (-1, 16))
-  sf = np.clip(gs * np.abs(g).max(-1) / np.float32(6.0), 0, 448).astype(ml_dtypes.float8_e4m3fn)
+  sf = np.clip(gs * np.abs(g).max(-1) * (np.float32(1) / np.float32(6)), 0, 448)
+  sf = sf.astype(ml_dtypes.float8_e4m3fn)
   sf32 = sf.astype(np.float32)[..., None]
-  y = np.where(sf32 == 0, 0, g * gs / np.where(sf32 == 0, 1, sf32))
+  y = np.where(sf32 == 0, 0, (g * gs) * (np.float32(1) / np.where(sf32 == 0, 1, sf32)))
   grid = quant.E2M1_GRID
   a = np.abs(y)
   idx = np.abs(a[..., None] - grid).argmin(-1)            # nearest; ties resolved below
@@ -131,3 +131,20 @@ def test_v_swizzle_is_a_permutation_and_matches_formula():
   assert idx[5, 3] == 45
   with pytest.raises(ValueError, match="swizzle"):
     quant.nvfp4_v_swizzle_index(16, 2)
+
+
+@pytest.mark.parametrize("name", ["int8_per_token_head", "fp8_per_token_head", "nvfp4", "fp8"])
+def test_eager_and_jit_store_the_same_bits(rng, name):
+  """The written-out reciprocal forms leave XLA nothing to rewrite: eager == jit, bit for bit."""
+  import jax
+  fmt = F.get_format(name)
+  x = jnp.asarray((rng.standard_normal((64, 4, 64)) * rng.uniform(0.01, 30, (64, 4, 1)))
+                  .astype(np.float32))
+  if fmt.kind == F.NVFP4:
+    f = lambda x: quant.quantize_nvfp4(x, jnp.float32(0.3))
+  elif fmt.kind == F.FP8_PER_TENSOR:
+    f = lambda x: (quant.quantize_fp8_per_tensor(x, jnp.float32(0.3), fmt.storage),)
+  else:
+    f = lambda x: quant.quantize_per_token_head(x, fmt)
+  for a, b in zip(f(x), jax.jit(f)(x)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
