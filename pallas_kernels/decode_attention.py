@@ -1,25 +1,24 @@
 """Paged decode attention over the packed cache: one query token per sequence (spec §6).
 
 Entry point :func:`paged_decode_attention`. The kernel
-(:mod:`pallas_kernels.decode_triton`) reads the physical cache directly (K and
-V of a token in the same step, dequantized in the kernel) and returns
-per-split partials; this module prepares the query, merges the splits and the
-sinks, and restores the output layout. Works under ``jax.jit``: ``seq_lens`` and
+(:mod:`pallas_kernels.decode_triton`) reads q and the physical cache directly (K
+and V of a token in the same step, dequantized in the kernel). With one split it
+writes the output itself; with several (few long sequences) this module merges
+the per-split partials and the sinks in XLA. Works under ``jax.jit``: ``seq_lens`` and
 ``block_table`` may be traced; shapes, ``scale``, window and soft cap are static.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax import formats as F
 from kvjax.spec import KVCacheSpec
-from pallas_kernels.decode_config import DEFAULT_CONFIG, DecodeConfig, choose_num_splits
-from pallas_kernels.decode_formats import TileFormat, next_pow2
-from pallas_kernels.decode_triton import decode_partials
+from pallas_kernels.decode_config import DecodeConfig, choose_num_splits, default_config
+from pallas_kernels.decode_formats import TileFormat
+from pallas_kernels.decode_triton import decode_call
 
 
 def _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks):
@@ -73,17 +72,6 @@ def _tensor_scales(spec: KVCacheSpec, k_scale, v_scale):
   return jnp.stack(rows)
 
 
-def _prepare_q(q, tf: TileFormat, num_heads: int, gp: int):
-  """``[S, Hq, D]`` -> ``[S, H, Gp, parts * W]`` in the compute dtype (zero padded)."""
-  s, hq, d = q.shape
-  g = hq // num_heads
-  x = q.reshape(s, num_heads, g, d).astype(tf.compute_dtype)
-  parts = (x[..., 0::2], x[..., 1::2]) if tf.split else (x,)
-  w = tf.part_width
-  parts = [jnp.pad(p, ((0, 0), (0, 0), (0, gp - g), (0, w - p.shape[-1]))) for p in parts]
-  return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-
-
 def merge_splits(acc, m, l, sinks, num_groups: int):
   """Combine split partials into normalized outputs.
 
@@ -119,30 +107,32 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
     sinks: float32 ``[Hq]`` per-query-head sink logits or None.
     k_scale, v_scale: global scales (fp8 per-tensor: scalar or [H]; nvfp4: scalar).
     interpret: Pallas interpret mode (CPU tests).
-    config: static :class:`DecodeConfig` (None = defaults).
+    config: static :class:`DecodeConfig` (None = :func:`default_config` of the cache dtype).
   Returns:
     ``[S, Hq, D]`` in q's dtype.
   """
   _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks)
-  config = DEFAULT_CONFIG if config is None else config
+  config = default_config(spec.itemsize) if config is None else config
   s, hq, d = q.shape
   h = spec.num_kv_heads
   g = hq // h
   tf = TileFormat.of(spec, q.dtype)
-  gp = max(16, next_pow2(g))
   num_blocks = cache.shape[0]
-  max_blocks = jnp.shape(block_table)[1]
-  splits = choose_num_splits(config, s, h, max_blocks, spec.block_size)
-  qp = _prepare_q(q, tf, h, gp)
-  pages = cache.reshape(num_blocks, tf.page_elems)
-  acc, m, l = decode_partials(
-      qp, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(block_table, jnp.int32),
-      _tensor_scales(spec, k_scale, v_scale), pages, tf=tf, config=config,
-      num_splits=splits, scale=float(scale),
-      window=None if sliding_window is None else int(sliding_window),
-      soft_cap=None if soft_cap is None else float(soft_cap), interpret=bool(interpret))
-  sink_hg = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(h, g)
-  out = merge_splits(acc, m, l, sink_hg, g)                      # [S, H, G, parts * W]
+  splits = choose_num_splits(config, s, h, jnp.shape(block_table)[1], spec.block_size)
+  sink_hg = (jnp.zeros((h, g), jnp.float32) if sinks is None
+             else jnp.asarray(sinks, jnp.float32).reshape(h, g))
+  res = decode_call(
+      q.reshape(s, h, g, d), jnp.asarray(seq_lens, jnp.int32),
+      jnp.asarray(block_table, jnp.int32), _tensor_scales(spec, k_scale, v_scale), sink_hg,
+      cache.reshape(num_blocks, tf.page_elems), tf=tf, config=config, num_splits=splits,
+      scale=float(scale), window=None if sliding_window is None else int(sliding_window),
+      soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
+      interpret=bool(interpret))
+  if splits == 1:
+    out = res[:, :, :g, :]                                              # [S, H, G, parts*W]
+  else:
+    acc, m, l = res
+    out = merge_splits(acc, m, l, None if sinks is None else sink_hg, g)
   if tf.split:
     w, dh = tf.part_width, d // 2
     out = jnp.stack([out[..., :dh], out[..., w:w + dh]], axis=-1).reshape(s, h, g, d)

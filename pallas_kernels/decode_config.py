@@ -22,6 +22,9 @@ class DecodeConfig:
     num_splits: KV splits per (sequence, KV head); None = :func:`choose_num_splits`.
     target_programs: with ``num_splits=None``, aim for at least this many programs
       (sequences x KV heads x splits) so that few long sequences still fill the SMs.
+    single_pass_programs: with ``num_splits=None``, use one split (the kernel then
+      normalizes and writes the output itself, no merge pass) once sequences x KV
+      heads reach this many programs.
     prefetch: carry the next step's K/V tiles through the loop (loads of step
       i+1 are issued before the math of step i).
     num_warps, num_stages: Triton launch parameters.
@@ -29,6 +32,7 @@ class DecodeConfig:
   tokens_per_step: int = 64
   num_splits: Optional[int] = None
   target_programs: int = 8 * NUM_SMS
+  single_pass_programs: int = 3 * NUM_SMS
   prefetch: bool = False
   num_warps: int = 4
   num_stages: int = 2
@@ -50,15 +54,32 @@ class DecodeConfig:
 DEFAULT_CONFIG = DecodeConfig()
 
 
+def default_config(cache_itemsize: int) -> DecodeConfig:
+  """Measured defaults (H200, benchmarks/results/decode.md).
+
+  Two-byte caches: one pass from 3 x 132 programs on (no merge; measured 3.93-3.96 TB/s at
+  64 x 4096 vs 3.71-3.83 with 3 splits). One-byte caches are instruction-bound rather than
+  byte-bound: they pipeline deeper and keep splitting until 8 x 132 programs (one pass
+  measured 1.60 TB/s at 64 x 4096 vs 1.83-1.84 with 3 splits).
+  """
+  if cache_itemsize == 1:
+    return dataclasses.replace(DEFAULT_CONFIG, num_stages=3,
+                               single_pass_programs=DEFAULT_CONFIG.target_programs)
+  return DEFAULT_CONFIG
+
+
 def choose_num_splits(config: DecodeConfig, num_seqs: int, num_kv_heads: int,
                       max_blocks: int, block_size: int) -> int:
   """Splits per (sequence, KV head) from static shapes only.
 
-  Enough splits that ``num_seqs * num_kv_heads * splits >= target_programs``,
-  never more than the number of steps the longest sequence can take.
+  One split when ``num_seqs * num_kv_heads >= single_pass_programs``; else enough
+  splits that ``num_seqs * num_kv_heads * splits >= target_programs``, never more
+  than the number of steps the longest sequence can take.
   """
   if config.num_splits is not None:
     return config.num_splits
+  if num_seqs * num_kv_heads >= config.single_pass_programs:
+    return 1
   max_steps = max(1, -(-max_blocks * block_size // config.step_tokens(block_size)))
   base = max(1, num_seqs * num_kv_heads)
   want = -(-config.target_programs // base)

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kvjax import formats as F
@@ -115,8 +113,13 @@ class TileFormat:
 
   # -- in-kernel helpers --------------------------------------------------------------------
   def _dot(self, a, b, trans_b=False):
-    return pl.dot(a.astype(self.compute_dtype), b.astype(self.compute_dtype), trans_b=trans_b,
-                  precision=self.precision)
+    """float32 ``a @ b`` (``a @ b.T`` with trans_b) in the compute dtype.
+
+    lax.dot_general, not ``pl.dot``: that raises AttributeError on jax 0.11.2 (GPU machine).
+    """
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a.astype(self.compute_dtype), b.astype(self.compute_dtype), dims,
+                           precision=self.precision, preferred_element_type=jnp.float32)
 
   def _cols(self):
     cols = jnp.arange(self.data_pad, dtype=jnp.int32)
@@ -126,6 +129,8 @@ class TileFormat:
   def _gather(cache_ref, blk, offs, mask, other=0):
     """cache[blk[t], offs[t, x]] for ``blk [T]``, ``offs [T, X]`` -> ``[T, X]`` (masked)."""
     idx = (jnp.broadcast_to(blk[:, None], offs.shape), offs)
+    if jnp.issubdtype(cache_ref.dtype, jnp.floating):
+      other = float(other)  # Triton casts float fills to fp8, not int ones
     return pltriton.load(cache_ref.at[idx], mask=mask, other=other)
 
   @staticmethod

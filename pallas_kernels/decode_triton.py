@@ -5,9 +5,11 @@ sequence's visible tokens in steps of T tokens (several pages): per step it
 gathers the block ids of the T tokens from the block table, loads the K rows
 and V rows of those tokens from the flat pages (K and V of a token in the same
 step, so every cache line fetched is used), scores the padded query group
-``[Gp, D]`` against K with one dot, updates an online softmax and accumulates
-``p @ V``. It writes unnormalized partials (acc, running max m, sum l) that
-:func:`merge_splits` combines (with the sinks) in XLA.
+``[Gp, D]`` (read from q in the kernel, padding rows masked) against K with one
+dot, updates an online softmax and accumulates ``p @ V``. With one split it
+normalizes in the kernel (sinks included) and writes the output directly; with
+several it writes unnormalized partials (acc, running max m, sum l) that
+``decode_attention.merge_splits`` combines (with the sinks) in XLA.
 """
 from __future__ import annotations
 
@@ -26,12 +28,22 @@ from pallas_kernels.decode_formats import TileFormat
 NEG = -1e30
 
 
-def _decode_kernel(q_ref, sl_ref, bt_ref, ts_ref, cache_ref, acc_ref, m_ref, l_ref, *,
+def _part_cols(tf: TileFormat, j: int):
+  """Head-dim columns of q / output that part j holds, and which of them are real."""
+  i = jnp.arange(tf.part_width, dtype=jnp.int32)
+  if tf.split:
+    return 2 * i + j, i < tf.head_size // 2
+  return i, i < tf.head_size
+
+
+def _decode_kernel(q_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *out_refs,
                    tf: TileFormat, step_tokens: int, num_splits: int, num_blocks: int,
-                   max_blocks: int, scale: float, window, soft_cap, prefetch: bool):
+                   max_blocks: int, group_pad: int, scale: float, window, soft_cap,
+                   has_sinks: bool, prefetch: bool):
   s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_step, n = step_tokens, tf.block_size
-  w = tf.part_width
+  gp, w = group_pad, tf.part_width
+  num_groups = q_ref.shape[2]
   seq_len = sl_ref[s]
   lo_tok = jnp.int32(0) if window is None else jnp.maximum(seq_len - window, 0)
   lo_step = lo_tok // t_step
@@ -40,7 +52,18 @@ def _decode_kernel(q_ref, sl_ref, bt_ref, ts_ref, cache_ref, acc_ref, m_ref, l_r
   start = lo_step + split * per
   stop = jnp.minimum(start + per, hi_step)
 
-  q_parts = tuple(q_ref[:, j * w:(j + 1) * w] for j in range(tf.num_parts))
+  # The query group straight from q [S, H, G, D]: rows padded to Gp, head dim to W (masked).
+  grow = jnp.arange(gp, dtype=jnp.int32)
+  rows = grow < num_groups
+  rows_c = jnp.minimum(grow, num_groups - 1)
+  part_cols = [_part_cols(tf, j) for j in range(tf.num_parts)]
+  q_parts = []
+  for cols, cmask in part_cols:
+    cols_c = jnp.minimum(cols, tf.head_size - 1)
+    idx = (s, h, jnp.broadcast_to(rows_c[:, None], (gp, w)),
+           jnp.broadcast_to(cols_c[None, :], (gp, w)))
+    qp = pltriton.load(q_ref.at[idx], mask=rows[:, None] & cmask[None, :], other=0.0)
+    q_parts.append(qp.astype(tf.compute_dtype))
   qsum = sum(jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q_parts)
   k_scale = ts_ref[0, h]
   v_scale = ts_ref[1, h]
@@ -72,7 +95,6 @@ def _decode_kernel(q_ref, sl_ref, bt_ref, ts_ref, cache_ref, acc_ref, m_ref, l_r
     accs = tuple(a * alpha[:, None] + o for a, o in zip(accs, parts))
     return m_new, l_new, accs
 
-  gp = q_ref.shape[0]
   m0 = jnp.full((gp,), NEG, jnp.float32)
   l0 = jnp.zeros((gp,), jnp.float32)
   accs0 = tuple(jnp.zeros((gp, w), jnp.float32) for _ in range(tf.num_parts))
@@ -91,53 +113,78 @@ def _decode_kernel(q_ref, sl_ref, bt_ref, ts_ref, cache_ref, acc_ref, m_ref, l_r
       return update(i, load_step(i, True), m, l, accs)
     m, l, accs = lax.fori_loop(start, stop, body, (m0, l0, accs0))
 
+  if num_splits == 1:
+    # Single pass: normalize here (sinks join the denominator) and write the padded group.
+    (o_ref,) = out_refs
+    if has_sinks:
+      sk = pltriton.load(sink_ref.at[(h, rows_c)], mask=rows, other=0.0)
+      m_f = jnp.maximum(m, sk)
+      alpha = jnp.exp(m - m_f)
+      denom = l * alpha + jnp.exp(sk - m_f)
+    else:
+      alpha, denom = jnp.ones_like(l), l
+    coef = jnp.where(l > 0, alpha / jnp.where(l > 0, denom, 1.0), 0.0)
+    for j, a in enumerate(accs):
+      o_ref[:, j * w:(j + 1) * w] = (a * coef[:, None]).astype(o_ref.dtype)
+    return
+  # Split: unnormalized partials; only the real query rows go to memory.
+  acc_ref, m_ref, l_ref = out_refs
   for j, a in enumerate(accs):
-    acc_ref[:, j * w:(j + 1) * w] = a
-  m_ref[...] = m
-  l_ref[...] = l
+    pltriton.store(acc_ref.at[:, j * w:(j + 1) * w], a, mask=rows[:, None])
+  pltriton.store(m_ref.at[:], m, mask=rows)
+  pltriton.store(l_ref.at[:], l, mask=rows)
 
 
 @functools.partial(jax.jit, static_argnames=("tf", "config", "num_splits", "scale", "window",
-                                             "soft_cap", "interpret"))
-def decode_partials(q, seq_lens, block_table, tensor_scales, pages, *, tf: TileFormat,
-                    config: DecodeConfig, num_splits: int, scale: float, window, soft_cap,
-                    interpret: bool):
-  """Run the kernel; returns unnormalized partials per split.
+                                             "soft_cap", "has_sinks", "interpret"))
+def decode_call(q, seq_lens, block_table, tensor_scales, sinks, pages, *, tf: TileFormat,
+                config: DecodeConfig, num_splits: int, scale: float, window, soft_cap,
+                has_sinks: bool, interpret: bool):
+  """Run the kernel.
 
   Args:
-    q: ``[S, H, Gp, parts * W]`` in ``tf.compute_dtype`` (query group padded; split
-      formats as [even | odd] halves).
+    q: ``[S, H, G, D]`` (a free reshape of ``[S, Hq, D]``), any float dtype.
     seq_lens: int32 ``[S]``; block_table: int32 ``[S, M]``.
     tensor_scales: float32 ``[2, H]`` (k, v global scales; ones when unused).
+    sinks: float32 ``[H, G]`` sink logits (read only when ``has_sinks``).
     pages: the cache as ``[B, page_elems]`` (a free reshape of the physical array).
   Returns:
-    (acc float32 ``[S, H, splits, Gp, parts * W]``, m, l float32 ``[S, H, splits, Gp]``).
+    ``num_splits == 1``: the normalized output ``[S, H, Gp, parts * W]`` in q's dtype
+    (rows past G and columns past the head size are padding).
+    Otherwise unnormalized partials: acc float32 ``[S, H, splits, Gp, parts * W]`` (split
+    formats hold [even | odd] head dims), m, l float32 ``[S, H, splits, Gp]``; only the
+    first G rows of the Gp axis are written.
   """
-  num_seqs, num_heads, gp, qw = q.shape
-  num_blocks = pages.shape[0]
-  max_blocks = block_table.shape[1]
+  num_seqs, num_heads, num_groups, head_size = q.shape
+  gp = max(16, 1 << max(0, num_groups - 1).bit_length())
+  qw = tf.num_parts * tf.part_width
   kernel = functools.partial(
       _decode_kernel, tf=tf, step_tokens=config.step_tokens(tf.block_size),
-      num_splits=num_splits, num_blocks=num_blocks, max_blocks=max_blocks, scale=scale,
-      window=window, soft_cap=soft_cap, prefetch=config.prefetch)
+      num_splits=num_splits, num_blocks=pages.shape[0], max_blocks=block_table.shape[1],
+      group_pad=gp, scale=scale, window=window, soft_cap=soft_cap, has_sinks=has_sinks,
+      prefetch=config.prefetch)
   whole = pl.BlockSpec(memory_space=pl.ANY)
   f32 = jnp.float32
-  out_shape = (
-      jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp, qw), f32),
-      jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
-      jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
-  )
-  row_spec = pl.BlockSpec((None, None, None, gp), lambda s, h, k: (s, h, k, 0))
+  if num_splits == 1:
+    out_shape = jax.ShapeDtypeStruct((num_seqs, num_heads, gp, qw), q.dtype)
+    out_specs = pl.BlockSpec((None, None, gp, qw), lambda s, h, k: (s, h, 0, 0))
+  else:
+    row_spec = pl.BlockSpec((None, None, None, gp), lambda s, h, k: (s, h, k, 0))
+    out_shape = (
+        jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp, qw), f32),
+        jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
+        jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
+    )
+    out_specs = [pl.BlockSpec((None, None, None, gp, qw), lambda s, h, k: (s, h, k, 0, 0)),
+                 row_spec, row_spec]
   return pl.pallas_call(
       kernel,
       grid=(num_seqs, num_heads, num_splits),
-      in_specs=[pl.BlockSpec((None, None, gp, qw), lambda s, h, k: (s, h, 0, 0)),
-                whole, whole, whole, whole],
-      out_specs=[pl.BlockSpec((None, None, None, gp, qw), lambda s, h, k: (s, h, k, 0, 0)),
-                 row_spec, row_spec],
+      in_specs=[whole] * 6,
+      out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="kvjax_paged_decode",
-  )(q, seq_lens, block_table, tensor_scales, pages)
+  )(q, seq_lens, block_table, tensor_scales, sinks, pages)

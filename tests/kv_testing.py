@@ -104,3 +104,10 @@ def jit_write(impl="reference", interpret=None):
     return kvjax.write_kv(cache, key, value, slots, spec, k_scale=k_scale, v_scale=v_scale,
                           impl=impl, interpret=interpret)
   return jax.jit(f, static_argnums=4, donate_argnums=0)
+
+
+def nan_cache(spec: KVCacheSpec, num_blocks: int):
+  """A cache whose every byte is 0xFF: NaN in every float format and as every float32 scale."""
+  shape = spec.physical_shape(num_blocks)
+  raw = np.full(int(np.prod(shape)) * spec.itemsize, 0xFF, np.uint8)
+  return jnp.asarray(raw.view(spec.storage_dtype).reshape(shape))

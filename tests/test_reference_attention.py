@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kv_testing import random_kv, spec_for
+from kv_testing import nan_cache, random_kv, spec_for
 
 
 def build_batch(rng, spec, q_lens, prefix_lens, num_q_heads, pad_tokens=0, k_scale=None):
@@ -28,7 +28,8 @@ def build_batch(rng, spec, q_lens, prefix_lens, num_q_heads, pad_tokens=0, k_sca
     pos = np.arange(seq_lens[i])
     slots.append(block_table[i, pos // n] * n + pos % n)
   slots = np.concatenate(slots).astype(np.int32)
-  cache = spec.allocate(num_blocks, fill=0)
+  # Unwritten slots hold NaN-ish garbage: masked keys must never reach the output.
+  cache = nan_cache(spec, num_blocks)
   key, value = random_kv(rng, spec, len(slots))
   cache = kvjax.write_kv(cache, key, value, jnp.asarray(slots), spec, k_scale=k_scale,
                          v_scale=k_scale, impl="reference")

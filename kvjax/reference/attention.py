@@ -49,6 +49,7 @@ def attention_row(q, k, v, valid, *, scale, soft_cap=None, sink=None):
   denom = jnp.sum(p, axis=-1)
   if sink is not None:
     denom = denom + jnp.exp(sink - m_safe)
+  v = jnp.where(valid[:, None, None], v, 0.0)   # 0 * NaN of an unwritten slot would be NaN
   out = jnp.einsum("hgl,lhd->hgd", p, v, precision=_HI)
   any_valid = jnp.any(valid)
   return jnp.where(any_valid, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)

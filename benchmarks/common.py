@@ -1,0 +1,106 @@
+"""Shared benchmark helpers: timing (JAX and torch), the device copy ceiling, versions.
+
+Timing rules (METHOD.md): warm up first (compilation out of the numbers), repeat,
+report the median; JAX work is timed on the host around ``block_until_ready``
+of a batch of back-to-back calls (dispatch is asynchronous, so the batch keeps
+the GPU busy); torch work with CUDA events through ``triton.testing.do_bench``
+when available.
+"""
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import sys
+import time
+
+
+def time_jax(fn, *args, reps: int = 7, inner: int = 10, warmup: int = 2) -> float:
+  """Median milliseconds of one ``fn(*args)`` call (``fn`` jitted), batched ``inner`` per sample."""
+  import jax
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / inner * 1e3)
+  return statistics.median(samples)
+
+
+def time_jax_chained(step, x0, *rest, chain: int = 3, reps: int = 5, inner: int = 5) -> float:
+  """Median milliseconds of one ``step(x, *rest) -> x'`` (same shape and dtype as x).
+
+  ``chain`` steps run back to back inside one jitted program, each feeding the next (a
+  decode step's output is the next query), so per-call dispatch cost on the host is
+  amortized and hidden behind GPU work; the result is the program time / chain.
+  """
+  import jax
+
+  def chained(x, *r):
+    for _ in range(chain):
+      x = step(x, *r)
+    return x
+  return time_jax(jax.jit(chained), x0, *rest, reps=reps, inner=inner, warmup=1) / chain
+
+
+def time_torch(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+  """Median milliseconds of ``fn()`` (CUDA events via triton's do_bench; host clock on CPU)."""
+  import torch
+  if torch.cuda.is_available():
+    try:
+      from triton.testing import do_bench
+      return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    except ImportError:
+      pass
+  fn()
+  samples = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+      torch.cuda.synchronize()
+    samples.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(samples)
+
+
+def device_copy_tb_s(nbytes: int = 2 << 30) -> float:
+  """Device-to-device copy rate, TB/s counting bytes read plus bytes written (torch)."""
+  import torch
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  if dev == "cpu":
+    nbytes = min(nbytes, 64 << 20)
+  x = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
+  y = torch.empty_like(x)
+  ms = time_torch(lambda: y.copy_(x))
+  del x, y
+  return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def versions() -> dict:
+  """Python / jax / jaxlib / torch / triton versions that are importable."""
+  out = {"python": platform.python_version()}
+  for name in ("jax", "jaxlib", "torch", "triton"):
+    try:
+      mod = __import__(name)
+      out[name] = getattr(mod, "__version__", "?")
+    except Exception:  # noqa: BLE001 - a missing optional package is reported as absent
+      out[name] = None
+  return out
+
+
+def device_name() -> str:
+  import jax
+  d = jax.devices()[0]
+  return f"{d.platform}: {getattr(d, 'device_kind', str(d))}"
+
+
+def now_utc() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def command_line() -> str:
+  return "python " + " ".join(sys.argv)

@@ -1,0 +1,210 @@
+"""Paged decode kernel (Pallas, interpret mode on CPU) vs the reference attention.
+
+The kernel reads a *poisoned* cache: every slot no sequence wrote holds NaN (float
+caches) or random bytes with many 0xFF (byte caches, so scale slots decode to NaN),
+and unused block-table entries point at poisoned or out-of-range blocks. The
+reference reads a clean copy holding the same tokens (it would propagate NaN from
+masked keys through 0 * NaN). Everything runs under ``jax.jit`` with traced
+``seq_lens`` / ``block_table``.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import formats as F
+from kvjax.reference import unified_attention as ref_attention
+from pallas_kernels.decode_attention import paged_decode_attention
+from pallas_kernels.decode_config import DecodeConfig, choose_num_splits
+
+
+def _poisoned(rng, spec, num_blocks):
+  shape = spec.physical_shape(num_blocks)
+  if spec.format.kind == F.PLAIN:
+    return jnp.full(shape, jnp.nan, spec.storage_dtype)
+  raw = rng.integers(0, 256, int(np.prod(shape)) * spec.itemsize, dtype=np.uint8)
+  raw[: raw.size // 4] = 0xFF
+  return jnp.asarray(rng.permutation(raw).view(spec.storage_dtype).reshape(shape))
+
+
+def _problem(rng, spec, lens, g, k_scale=None, v_scale=None):
+  """q, poisoned cache, clean cache, seq_lens, block_table for a decode batch."""
+  n = spec.block_size
+  s = len(lens)
+  m = max(1, max(-(-ln // n) for ln in lens)) + 1
+  b = s * m + 2
+  poison, clean = _poisoned(rng, spec, b), spec.allocate(b)
+  table = rng.permutation(b)[: s * m].reshape(s, m)
+  for i, ln in enumerate(lens):
+    used = -(-ln // n)
+    # unused entries: poisoned blocks, or out of range (must never be read)
+    table[i, used:] = rng.choice([0, b - 1, b + 7, -3], m - used)
+    if ln == 0:
+      continue
+    x = rng.standard_normal((2, ln, spec.num_kv_heads, spec.head_size)).astype(np.float32)
+    x *= np.exp(rng.uniform(-1, 1, (2, ln, spec.num_kv_heads, 1)))
+    k, v = (jnp.asarray(t).astype(spec.dtype) for t in x)
+    slots = jnp.asarray([table[i, p // n] * n + p % n for p in range(ln)], jnp.int32)
+    kw = dict(k_scale=k_scale, v_scale=v_scale, impl="reference")
+    clean = kvjax.write_kv(clean, k, v, slots, spec, **kw)
+    poison = kvjax.write_kv(poison, k, v, slots, spec, **kw)
+  q = jnp.asarray(rng.standard_normal((s, spec.num_kv_heads * g, spec.head_size)), spec.dtype)
+  return q, poison, clean, jnp.asarray(lens, jnp.int32), jnp.asarray(table, jnp.int32)
+
+
+def _run(rng, cache_dtype, layout="NHD", *, h=2, g=4, d=64, n=16, lens=(1, 21, 70, 0),
+         window=None, soft_cap=None, sinks=False, k_scale=None, v_scale=None, dtype=jnp.bfloat16,
+         config=None):
+  spec = kvjax.KVCacheSpec(num_kv_heads=h, head_size=d, block_size=n, cache_dtype=cache_dtype,
+                           layout=layout, dtype=dtype)
+  q, poison, clean, sl, bt = _problem(rng, spec, lens, g, k_scale, v_scale)
+  sk = jnp.asarray(rng.standard_normal(h * g) * 2, jnp.float32) if sinks else None
+  kw = dict(scale=d ** -0.5, sliding_window=window, soft_cap=soft_cap)
+
+  @jax.jit
+  def ours(q, cache, sl, bt, sk, ks, vs):
+    return paged_decode_attention(q, cache, spec, seq_lens=sl, block_table=bt, sinks=sk,
+                                  k_scale=ks, v_scale=vs, interpret=True, config=config, **kw)
+
+  out = ours(q, poison, sl, bt, sk, k_scale, v_scale)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  ref = ref_attention(q, clean, spec, query_start_loc=jnp.arange(len(lens) + 1, dtype=jnp.int32),
+                      seq_lens=sl, block_table=jnp.clip(bt, 0, clean.shape[0] - 1), sinks=sk,
+                      k_scale=k_scale, v_scale=v_scale, **kw)
+  o = np.asarray(out.astype(jnp.float32))
+  r = np.asarray(ref.astype(jnp.float32))
+  assert np.isfinite(o).all(), "kernel output holds NaN/inf: it read a poisoned slot"
+  for i, ln in enumerate(lens):
+    if ln == 0:
+      assert not np.any(o[i]), "a sequence with no keys must output 0"
+  if np.dtype(dtype) == np.float32 and spec.storage_dtype == np.float32:
+    tol = 1e-5
+  elif np.dtype(dtype) == np.float16:
+    tol = 4e-3
+  else:
+    tol = 2e-2  # bf16 q / output rounding, bf16 p in the p @ V dot
+  scale = np.abs(r).max()
+  err = np.abs(o - r)
+  assert np.all(err <= tol * (np.abs(r) + scale)), (
+      f"{cache_dtype} {layout}: max err {err.max():.3e} vs ref max {scale:.3e}")
+  assert np.linalg.norm(o - r) <= tol * np.linalg.norm(r)
+  return o
+
+
+@pytest.mark.parametrize("cache_dtype,layout", [
+    ("auto", "NHD"), ("bfloat16", "HND"), ("fp8", "HND"), ("fp8_e4m3", "NHD"),
+    ("fp8_e5m2", "NHD"), ("int8_per_token_head", "HND"), ("fp8_per_token_head", "NHD"),
+    ("int4_per_token_head", "HND"), ("int4_per_token_head", "NHD"), ("nvfp4", "HND"),
+])
+def test_every_cache_dtype(rng, cache_dtype, layout):
+  ks = 0.5 if F.get_format(cache_dtype).has_tensor_scales else None
+  _run(rng, cache_dtype, layout, k_scale=ks, v_scale=None if ks is None else 2.0)
+
+
+def test_float32_cache_and_queries_exact(rng):
+  _run(rng, "float32", "HND", dtype=jnp.float32, g=1, soft_cap=8.0)
+
+
+def test_float16_gqa7_head80_window_sinks(rng):
+  _run(rng, "float16", "NHD", dtype=jnp.float16, h=1, g=7, d=80, n=32, window=30, sinks=True,
+       lens=(1, 45, 100, 33))
+
+
+def test_bf16_mha_head96_block64_softcap(rng):
+  _run(rng, "bfloat16", "HND", h=2, g=1, d=96, n=64, soft_cap=5.0, lens=(1, 64, 130))
+
+
+def test_head256_block128_window(rng):
+  _run(rng, "bfloat16", "NHD", h=1, g=4, d=256, n=128, window=100, lens=(129, 1, 250))
+
+
+def test_fp8_per_head_scales_gqa7_head128(rng):
+  ks = jnp.asarray(rng.uniform(0.25, 2.0, 2), jnp.float32)
+  vs = jnp.asarray(rng.uniform(0.25, 2.0, 2), jnp.float32)
+  _run(rng, "fp8", "NHD", g=7, d=128, k_scale=ks, v_scale=vs, sinks=True, lens=(1, 30, 17))
+
+
+def test_int8_window_smaller_than_block_softcap_sinks(rng):
+  _run(rng, "int8_per_token_head", "NHD", g=4, d=128, n=32, window=5, soft_cap=10.0,
+       sinks=True, lens=(1, 40, 77))
+
+
+def test_int4_gqa7_head96_sinks(rng):
+  # single pass: normalized and de-interleaved in the kernel's epilogue
+  _run(rng, "int4_per_token_head", "HND", h=1, g=7, d=96, n=32, sinks=True, lens=(1, 50, 33),
+       config=DecodeConfig(num_splits=1))
+
+
+def test_nvfp4_head128_window_sinks_scale(rng):
+  _run(rng, "nvfp4", "HND", g=4, d=128, window=40, sinks=True, k_scale=0.25, v_scale=0.5,
+       lens=(1, 90, 16), config=DecodeConfig(num_splits=1))
+
+
+@pytest.mark.parametrize("config", [
+    DecodeConfig(num_splits=1), DecodeConfig(tokens_per_step=16, num_splits=3),
+    DecodeConfig(prefetch=True, tokens_per_step=32, num_splits=2)])
+def test_configs_agree(rng, config):
+  _run(rng, "bfloat16", "NHD", lens=(1, 100, 47, 0), window=60, config=config)
+
+
+def test_via_public_unified_attention(rng):
+  """kvjax.unified_attention(impl="pallas", max_query_len=1) takes this kernel."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16)
+  lens = (1, 33)
+  q, poison, clean, sl, bt = _problem(rng, spec, lens, 2)
+  bt = jnp.clip(bt, 0, clean.shape[0] - 1)
+  qsl = jnp.arange(3, dtype=jnp.int32)
+  kw = dict(query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=0.125)
+  out = kvjax.unified_attention(q, poison, spec, impl="pallas", interpret=True, max_query_len=1,
+                                **kw)
+  ref = kvjax.unified_attention(q, clean, spec, impl="reference", **kw)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             rtol=2e-2, atol=2e-2)
+
+
+def test_bad_arguments():
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16)
+  cache = spec.allocate(4)
+  q = jnp.ones((2, 4, 64), jnp.bfloat16)
+  sl = jnp.array([1, 2], jnp.int32)
+  bt = jnp.zeros((2, 2), jnp.int32)
+  call = lambda **kw: paged_decode_attention(
+      kw.pop("q", q), kw.pop("cache", cache), spec,
+      **{"seq_lens": sl, "block_table": bt, "scale": 0.1, "interpret": True, **kw})
+  with pytest.raises(ValueError, match="head size"):
+    call(q=jnp.ones((2, 4, 32), jnp.bfloat16))
+  with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    call(q=jnp.ones((2, 3, 64), jnp.bfloat16))
+  with pytest.raises(ValueError, match="disagree on S"):
+    call(seq_lens=jnp.array([1, 2, 3], jnp.int32))
+  with pytest.raises(TypeError, match="integer"):
+    call(block_table=jnp.zeros((2, 2), jnp.float32))
+  with pytest.raises(ValueError, match="sliding_window"):
+    call(sliding_window=0)
+  with pytest.raises(ValueError, match="soft_cap"):
+    call(soft_cap=-1.0)
+  with pytest.raises(ValueError, match="sinks"):
+    call(sinks=jnp.zeros(3, jnp.float32))
+  with pytest.raises(ValueError, match="physical shape"):
+    call(cache=jnp.zeros((4, 16, 2, 64), jnp.bfloat16))
+  fp8 = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, cache_dtype="fp8")
+  with pytest.raises(ValueError, match="scale"):
+    paged_decode_attention(q, fp8.allocate(4), fp8, seq_lens=sl, block_table=bt, scale=0.1,
+                           k_scale=jnp.ones(3), interpret=True)
+
+
+def test_config_and_split_rule():
+  with pytest.raises(ValueError):
+    DecodeConfig(tokens_per_step=48)
+  with pytest.raises(ValueError):
+    DecodeConfig(num_splits=0)
+  cfg = DecodeConfig(tokens_per_step=64, target_programs=1024)
+  # few long sequences get many splits, capped by the steps of the longest sequence
+  assert choose_num_splits(cfg, 8, 8, 2048, 16) == 16
+  assert choose_num_splits(cfg, 1, 1, 8, 16) == 2
+  assert choose_num_splits(cfg, 256, 8, 64, 16) == 1
+  assert choose_num_splits(cfg, 64, 8, 4096, 16) == 1   # >= single_pass_programs: one pass
+  assert choose_num_splits(cfg, 16, 8, 1024, 16) == 8
+  assert choose_num_splits(DecodeConfig(num_splits=5), 1, 1, 1, 16) == 5
+  assert DecodeConfig(tokens_per_step=16).step_tokens(64) == 64
