@@ -19,6 +19,8 @@ _TORCH_OF_NUMPY = {
     np.dtype(np.int8): torch.int8,
     np.dtype(np.uint8): torch.uint8,
     np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.bool_): torch.bool,
     np.dtype(jnp.float8_e4m3fn): torch.float8_e4m3fn,
     np.dtype(jnp.float8_e5m2): torch.float8_e5m2,
 }

@@ -27,10 +27,15 @@ import jax
 import torch
 
 from torch_bridge import dlpack as D
+from torch_bridge import dtypes
 from torch_bridge import layout as L
 
 _DL_CPU, _DL_CUDA = 1, 2
 MODES = ("fast", "dlpack")
+
+
+def t_dtype_np(t: torch.Tensor):
+  return dtypes.numpy_dtype(t.dtype)
 
 
 def _raw_import(capsule, device, stream, copy, dl_type):
@@ -67,10 +72,15 @@ class Crossing:
     self._views = collections.OrderedDict()
     self._dl_type = _DL_CUDA if self.is_cuda else _DL_CPU
     self._jax_stream = None
-    if self.is_cuda:
-      self._jax_stream = self.jax_device.get_stream_for_external_ready_events()
-      self._ext = torch.cuda.ExternalStream(self._jax_stream, device=self.device)
-      self._event = torch.cuda.Event()
+    self._fast_checked = False
+    self._publish_checked = False
+    if self.is_cuda and mode == "fast":
+      try:
+        self._jax_stream = self.jax_device.get_stream_for_external_ready_events()
+        self._ext = torch.cuda.ExternalStream(self._jax_stream, device=self.device)
+        self._event = torch.cuda.Event()
+      except Exception as e:  # noqa: BLE001 - any failure: the public per-tensor path
+        self._fall_back(e)
 
   # -- torch -> JAX ------------------------------------------------------------------------
   def fence(self):
@@ -79,15 +89,26 @@ class Crossing:
       self._event.record(torch.cuda.current_stream(self.device))
       self._ext.wait_event(self._event)
 
+  def _fall_back(self, err):
+    warnings.warn(f"torch_bridge: fast DLPack crossing unavailable ({type(err).__name__}: "
+                  f"{err}); using jax.dlpack.from_dlpack per tensor")
+    self.mode = "dlpack"
+
   def _import(self, t: torch.Tensor, copy) -> jax.Array:
     if self.mode == "fast":
-      try:
+      if self._fast_checked:
         return _raw_import(t.__dlpack__(stream=-1), self.jax_device, self._jax_stream, copy,
                            self._dl_type)
-      except TypeError as e:  # a jaxlib whose private signature differs
-        warnings.warn(f"torch_bridge: fast DLPack import unavailable ({e}); using "
-                      "jax.dlpack.from_dlpack per tensor")
-        self.mode = "dlpack"
+      try:   # first use: the private entry point must work and share the pointer
+        arr = _raw_import(t.__dlpack__(stream=-1), self.jax_device, self._jax_stream, copy,
+                          self._dl_type)
+        if arr.dtype != t_dtype_np(t) or (copy is False and
+                                          arr.unsafe_buffer_pointer() != t.data_ptr()):
+          raise RuntimeError("raw import gave a different dtype or pointer")
+        self._fast_checked = True
+        return arr
+      except Exception as e:  # noqa: BLE001 - a jaxlib whose private API differs
+        self._fall_back(e)
     return jax.dlpack.from_dlpack(t, copy=copy)
 
   def fresh(self, t: torch.Tensor) -> jax.Array:
@@ -153,11 +174,19 @@ class Crossing:
   # -- JAX -> torch ------------------------------------------------------------------------
   def publish(self, arr: jax.Array):
     """Make torch's later work see ``arr``: a stream wait on CUDA, a host wait on CPU."""
-    if self.is_cuda:
+    if self.is_cuda and self._publish_checked is not None:
       s = torch.cuda.current_stream(self.device).cuda_stream
-      arr.__dlpack__(stream=s if s != 0 else 1)   # 1 = CUDA's legacy default stream
-    else:
-      arr.block_until_ready()
+      try:
+        arr.__dlpack__(stream=s if s != 0 else 1)   # 1 = CUDA's legacy default stream
+        self._publish_checked = True
+        return
+      except Exception as e:  # noqa: BLE001
+        if self._publish_checked:
+          raise
+        warnings.warn(f"torch_bridge: stream-ordered export failed ({e}); blocking the host "
+                      "on JAX results instead")
+        self._publish_checked = None
+    arr.block_until_ready()
 
   def to_torch(self, arr: jax.Array) -> torch.Tensor:
     """A torch tensor sharing ``arr`` that torch's current stream may read now."""

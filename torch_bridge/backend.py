@@ -1,0 +1,301 @@
+"""A vLLM-style attention backend over torch tensors, running kvjax's JAX ops.
+
+``PagedAttentionBackend`` speaks vLLM's vocabulary (``get_kv_cache_shape``,
+``get_kv_cache_stride_order``, ``do_kv_cache_update``, ``forward`` into a
+preallocated ``output``) and runs ``kvjax.write_kv`` / ``kvjax.unified_attention``
+(impl "auto": Pallas on GPU, the reference on CPU) on the *same* memory.
+
+CUDA: the imported cache is donated to the jitted write, so the write lands in
+torch's buffer in place (the pointer is checked on first use; if XLA ever did
+not alias, the result is copied back and a warning raised). Stream ordering: see
+:mod:`torch_bridge.interop` (one event per call torch -> JAX, a stream wait
+JAX -> torch; the host never blocks).
+CPU: JAX cannot donate an imported buffer (it would copy), so the new cache is
+computed out of place and copied back into the torch tensor (a whole-cache copy per
+update: fine for tests, not for serving); calls return after JAX has finished.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import kvjax
+from kvjax.spec import KVCacheSpec
+from torch_bridge import dlpack as D
+from torch_bridge import dtypes
+from torch_bridge import interop
+from torch_bridge import jitted
+from torch_bridge import layout as L
+from torch_bridge.metadata import PagedAttentionMetadata
+
+
+class _layout_method:
+  """Callable on the class (default layout) or on an instance (its own layout)."""
+
+  def __init__(self, fn):
+    self.fn = fn
+    functools.update_wrapper(self, fn)
+
+  def __get__(self, obj, cls):
+    layout = cls.kv_cache_layout if obj is None else obj.spec.layout
+    return functools.partial(self.fn, layout)
+
+
+class PagedAttentionBackend:
+  """Paged attention on a packed torch KV cache, computed by kvjax in JAX.
+
+  Args:
+    num_heads: Hq, query heads. num_kv_heads: H. head_size: D. block_size: N.
+    cache_dtype: a kvjax cache dtype ("auto", "fp8", "int8_per_token_head", "nvfp4", ...).
+    layout: "NHD" or "HND" (nvfp4 needs "HND").
+    dtype: torch model dtype of query / key / value / output.
+    scale: softmax scale (default D**-0.5). sliding_window, soft_cap: as in vLLM.
+    sinks: float ``[Hq]`` per-query-head sink logits (torch tensor or array) or None.
+    impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None = on CPU).
+    crossing_mode: "fast" | "dlpack", see :mod:`torch_bridge.interop`.
+    output_mode: how ``forward`` fills ``output`` on CUDA: "donate" (default:
+      ``output`` is imported and donated, XLA writes the result straight into it; a
+      non-contiguous ``output`` falls back to copying) or "copy" (a device copy of JAX's
+      result, ordered on torch's stream). Donation measured cheaper on the H200
+      (benchmarks/results/facade.md). CPU always copies.
+  """
+
+  kv_cache_layout = "NHD"   # what get_kv_cache_stride_order uses when called on the class
+
+  def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+               cache_dtype: str = "auto", layout: str = "NHD", dtype=torch.bfloat16,
+               scale: Optional[float] = None, sliding_window: Optional[int] = None,
+               soft_cap: Optional[float] = None, sinks=None, *, impl: str = "auto",
+               interpret=None, crossing_mode: str = "fast", output_mode: str = "donate"):
+    self.spec = KVCacheSpec(num_kv_heads, head_size, block_size, cache_dtype, layout,
+                            dtypes.numpy_dtype(dtype))
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0 \
+        or num_heads % num_kv_heads:
+      raise ValueError(f"num_heads={num_heads!r} must be a positive multiple of "
+                       f"num_kv_heads={num_kv_heads}")
+    if crossing_mode not in interop.MODES:
+      raise ValueError(f"crossing_mode={crossing_mode!r} must be one of {interop.MODES}")
+    if output_mode not in ("copy", "donate"):
+      raise ValueError(f"output_mode={output_mode!r} must be 'copy' or 'donate'")
+    kvjax.dispatch.check_impl(impl)
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+      raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if soft_cap is not None and not soft_cap > 0:
+      raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
+    self.num_heads = num_heads
+    self.dtype = dtypes.torch_dtype(self.spec.dtype)
+    self.scale = float(head_size ** -0.5 if scale is None else scale)
+    self.sliding_window = sliding_window
+    self.soft_cap = None if soft_cap is None else float(soft_cap)
+    self.sinks = None
+    if sinks is not None:
+      s = np.asarray(sinks.detach().float().cpu() if isinstance(sinks, torch.Tensor) else sinks,
+                     np.float32)
+      if s.shape != (num_heads,):
+        raise ValueError(f"sinks must have shape [{num_heads}], got {s.shape}")
+      self.sinks = s
+    self.impl, self.interpret, self.crossing_mode = impl, interpret, crossing_mode
+    self.output_mode = output_mode
+    self._out_checked = False
+    self._tensor_scales = self.spec.format.has_tensor_scales
+    self._crossings = {}
+    self._caches = {}        # cache tensor key -> storage-typed physical tensor
+    self._inplace_checked = set()
+    self._consts = {}        # (device, value) -> JAX scalar / sinks array
+    self._attn = {}          # (max_query_len bucket, causal, cuda) -> jitted fn
+    self._write = {}         # cuda -> jitted fn
+
+  # -- vLLM's static layout API --------------------------------------------------------------
+  @staticmethod
+  def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                         cache_dtype: str = "auto"):
+    """vLLM's logical cache shape ``(B, H, N, C)`` (``(B, 2H, N, D/2 + D/16)`` for nvfp4)."""
+    return kvjax.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
+
+  @_layout_method
+  def get_kv_cache_stride_order(layout, include_num_layers_dimension: bool = False):
+    """Logical dim stored at each physical position; the instance's layout (class: NHD)."""
+    return kvjax.get_kv_cache_stride_order(layout, include_num_layers_dimension)
+
+  # -- allocation ----------------------------------------------------------------------------
+  def allocate_kv_cache(self, num_blocks: int, device="cpu", num_layers: Optional[int] = None):
+    """A zeroed torch cache: logical shape, the layout's stride order, importable zero-copy.
+
+    dtype: the storage dtype (uint8 for fp8 per-tensor caches, as vLLM). On CPU the
+    buffer is 64-byte aligned so JAX imports it without a copy.
+    """
+    return D.empty_cache(self.spec, num_blocks, device=device, num_layers=num_layers)
+
+  # -- helpers -------------------------------------------------------------------------------
+  def _crossing(self, device) -> interop.Crossing:
+    cx = self._crossings.get(device)
+    if cx is None:
+      cx = self._crossings[device] = interop.Crossing(device, self.crossing_mode)
+    return cx
+
+  def _cache(self, kv_cache) -> torch.Tensor:
+    """The storage-typed physical tensor of ``kv_cache`` (validated once per tensor)."""
+    key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype) \
+        if isinstance(kv_cache, torch.Tensor) else None
+    phys = self._caches.get(key)
+    if phys is None:
+      phys = L.physical_tensor(kv_cache, self.spec)
+      if phys.ndim != 4:
+        raise ValueError("pass one layer's 4-D cache (index the layers dim first)")
+      phys = D.storage_typed(phys, self.spec)
+      L.check_shareable(phys)
+      if len(self._caches) >= 64:
+        self._caches.clear()
+      self._caches[key] = phys
+    return phys
+
+  def _check_tokens(self, name, x, heads):
+    if not isinstance(x, torch.Tensor):
+      raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != self.dtype:
+      raise TypeError(f"{name} dtype {x.dtype} is not the backend's dtype {self.dtype}")
+    d = self.spec.head_size
+    if x.ndim == 2 and x.shape[1] == heads * d:
+      x = x.view(x.shape[0], heads, d)
+    if x.ndim != 3 or tuple(x.shape[1:]) != (heads, d):
+      raise ValueError(f"{name} must be [T, {heads}, {d}] (or [T, {heads * d}]), got "
+                       f"{tuple(x.shape)}")
+    return x
+
+  def _const(self, cx, value):
+    key = (cx.device, value)
+    arr = self._consts.get(key)
+    if arr is None:
+      arr = self._consts[key] = jax.device_put(jnp.asarray(value, jnp.float32), cx.jax_device)
+    return arr
+
+  def _scales(self, cx, k_scale, v_scale):
+    if not self._tensor_scales:
+      return None, None        # formats without global scales ignore them (as kvjax does)
+    return self._scale(cx, "k_scale", k_scale), self._scale(cx, "v_scale", v_scale)
+
+  def _scale(self, cx, name, s):
+    if s is None:
+      return None
+    if isinstance(s, torch.Tensor):
+      if s.dtype != torch.float32 or s.device != cx.device:
+        s = s.to(device=cx.device, dtype=torch.float32)
+      return cx.view(s.contiguous(), zero_copy=False)
+    if isinstance(s, (int, float)):
+      return self._const(cx, float(s))
+    raise TypeError(f"{name} must be None, a float or a torch.Tensor, got {type(s).__name__}")
+
+  def _sinks(self, cx):
+    if self.sinks is None:
+      return None
+    key = (cx.device, "sinks")
+    arr = self._consts.get(key)
+    if arr is None:
+      arr = self._consts[key] = jax.device_put(jnp.asarray(self.sinks), cx.jax_device)
+    return arr
+
+  def _slots(self, cx, slot_mapping):
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.ndim != 1:
+      raise ValueError("slot_mapping must be a 1-D torch tensor")
+    if slot_mapping.dtype == torch.int32:
+      return cx.view(slot_mapping, zero_copy=False)
+    if slot_mapping.dtype != torch.int64:
+      raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    return cx.fresh(slot_mapping.to(torch.int32))   # a converted copy: never kept
+
+  def _copy_back(self, cx, phys, new):
+    """CPU (or a CUDA write XLA did not alias): copy JAX's new cache into torch's buffer."""
+    phys.view(torch.uint8).copy_(cx.to_torch(new).view(torch.uint8))
+
+  # -- the two ops ---------------------------------------------------------------------------
+  def do_kv_cache_update(self, key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None):
+    """Write ``key``/``value`` ``[T', H, D]`` into ``kv_cache`` (torch, in place) by slot.
+
+    ``slot_mapping``: int32/int64 ``[T]`` (negative = skip; int32 avoids a conversion).
+    Quantizes on write for every cache dtype. Returns None (vLLM's convention).
+    """
+    h = self.spec.num_kv_heads
+    key = self._check_tokens("key", key, h)
+    value = self._check_tokens("value", value, h)
+    phys = self._cache(kv_cache)
+    cx = self._crossing(key.device)
+    cx.fence()
+    k, v = cx.fresh(key), cx.fresh(value)
+    slots = self._slots(cx, slot_mapping)
+    if slots.shape[0] > k.shape[0]:
+      raise ValueError(f"slot_mapping has {slots.shape[0]} slots but key has {k.shape[0]} tokens")
+    ks, vs = self._scales(cx, k_scale, v_scale)
+    cache = cx.view(phys)
+    fn = self._write.get(cx.is_cuda)
+    if fn is None:
+      fn = self._write[cx.is_cuda] = jitted.write_fn(self.spec, self.impl, self.interpret,
+                                                     cx.is_cuda)
+    new = fn(cache, k, v, slots, ks, vs)
+    if not cx.is_cuda:
+      self._copy_back(cx, phys, new)
+      return None
+    pkey = cx._key(phys)
+    if pkey not in self._inplace_checked:
+      if new.unsafe_buffer_pointer() != phys.data_ptr():
+        warnings.warn("torch_bridge: XLA did not write the donated cache in place; copying back")
+        cx.forget(phys)
+        self._copy_back(cx, phys, new)
+        return None
+      self._inplace_checked.add(pkey)
+    cx.keep(phys, new)     # the donated input is gone; the result is the same memory
+    cx.publish(new)
+    return None
+
+  def forward(self, query, kv_cache, metadata: PagedAttentionMetadata, output, k_scale=None,
+              v_scale=None):
+    """Attention of ``query`` ``[T, Hq, D]`` over ``kv_cache``, written into ``output``.
+
+    ``output``: torch ``[T, Hq, D]`` (or ``[T, Hq*D]``) of the backend's dtype; rows of
+    padding tokens (past ``query_start_loc[-1]``) get 0. Returns ``output``.
+    """
+    if not isinstance(metadata, PagedAttentionMetadata):
+      raise TypeError(f"metadata must be a PagedAttentionMetadata, got {type(metadata).__name__}")
+    q = self._check_tokens("query", query, self.num_heads)
+    out = self._check_tokens("output", output, self.num_heads)
+    if out.shape[0] != q.shape[0]:
+      raise ValueError(f"output has {out.shape[0]} tokens, query {q.shape[0]}")
+    phys = self._cache(kv_cache)
+    cx = self._crossing(q.device)
+    cx.fence()
+    qj = cx.fresh(q)
+    qsl, sl, bt = metadata.jax_arrays(cx)
+    ks, vs = self._scales(cx, k_scale, v_scale)
+    mql = jitted.query_len_bucket(metadata.max_query_len, q.shape[0])
+    donate = cx.is_cuda and self.output_mode == "donate" and out.is_contiguous()
+    fkey = (mql, metadata.causal, donate)
+    fn = self._attn.get(fkey)
+    if fn is None:
+      fn = self._attn[fkey] = jitted.attention_fn(
+          self.spec, self.scale, metadata.causal, self.sliding_window, self.soft_cap, mql,
+          self.impl, self.interpret, donate)
+    args = (qj, cx.view(phys), qsl, sl, bt, self._sinks(cx), ks, vs)
+    if not donate:
+      out.copy_(cx.to_torch(fn(*args)))
+      return output
+    res = fn(*args, cx.fresh(out))
+    if not self._out_checked:
+      if res.unsafe_buffer_pointer() != out.data_ptr():
+        warnings.warn("torch_bridge: XLA did not write into the donated output; copying")
+        self.output_mode = "copy"
+        out.copy_(cx.to_torch(res))
+        return output
+      self._out_checked = True
+    cx.publish(res)
+    return output
+
+  def clear_cached_views(self):
+    """Forget every imported view (releases the torch memory they keep alive)."""
+    for cx in self._crossings.values():
+      cx.clear()
+    self._caches.clear()

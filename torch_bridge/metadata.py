@@ -1,0 +1,68 @@
+"""Per-step attention metadata with vLLM's field names (torch tensors)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionMetadata:
+  """One scheduler step's batch description, shared by every layer.
+
+  Attributes:
+    query_start_loc: int32 ``[S+1]``, cumulative query lengths (starts at 0).
+    seq_lens: int32 ``[S]``, KV length of each sequence (prefix + new tokens).
+    block_table: int32 ``[S, max_blocks]``, page ids of each sequence.
+    slot_mapping: int32 or int64 ``[T]``, cache slot of each new token (-1 = skip).
+    max_query_len: the longest query of the step (Python int; 1 = a pure decode).
+    max_seq_len: the longest KV length of the step (Python int).
+    causal: decoder self-attention (vLLM's default).
+
+  The facade imports the tensors into JAX once per metadata object (on the first
+  layer that uses it) and reuses them for the other layers: treat the tensors as
+  read-only once the metadata is built, as vLLM does within a step.
+  """
+  query_start_loc: torch.Tensor
+  seq_lens: torch.Tensor
+  block_table: torch.Tensor
+  slot_mapping: torch.Tensor
+  max_query_len: int
+  max_seq_len: int
+  causal: bool = True
+
+  def __post_init__(self):
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+      t = getattr(self, name)
+      if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+      if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    want = {"query_start_loc": 1, "seq_lens": 1, "block_table": 2, "slot_mapping": 1}
+    for name, nd in want.items():
+      if getattr(self, name).ndim != nd:
+        raise ValueError(f"{name} must be {nd}-D, got shape {tuple(getattr(self, name).shape)}")
+    s = self.seq_lens.shape[0]
+    if self.query_start_loc.shape[0] != s + 1 or self.block_table.shape[0] != s:
+      raise ValueError(f"query_start_loc [S+1], seq_lens [S], block_table [S, M] disagree: "
+                       f"{tuple(self.query_start_loc.shape)}, {tuple(self.seq_lens.shape)}, "
+                       f"{tuple(self.block_table.shape)}")
+    for name in ("max_query_len", "max_seq_len"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    object.__setattr__(self, "_jax", {})
+
+  def jax_arrays(self, crossing):
+    """(query_start_loc, seq_lens, block_table) as int32 JAX arrays, imported once per device."""
+    key = (crossing.device, crossing.mode)
+    arrays = self._jax.get(key)
+    if arrays is None:
+      arrays = tuple(crossing.fresh(_int32(getattr(self, n)))
+                     for n in ("query_start_loc", "seq_lens", "block_table"))
+      self._jax[key] = arrays
+    return arrays
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+  return t if t.dtype == torch.int32 else t.to(torch.int32)
