@@ -2,6 +2,20 @@
 from __future__ import annotations
 
 
+def is_decode_batch(q, seq_lens, max_query_len) -> bool:
+  """One query token per sequence, known statically: the decode kernel's case."""
+  return max_query_len == 1 and q.shape[0] == seq_lens.shape[0]
+
+
+def supports(spec, *, decode: bool) -> bool:
+  """Whether a Pallas kernel handles this cache: decode takes every cache dtype, the ragged
+  kernel all but int4 and nvfp4."""
+  if decode:
+    return True
+  from pallas_kernels.ragged_attention import supports_spec
+  return supports_spec(spec)
+
+
 def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table, scale,
                       causal=True, sliding_window=None, soft_cap=None, sinks=None, k_scale=None,
                       v_scale=None, max_query_len=None, interpret=False):
@@ -13,7 +27,7 @@ def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table,
   kwargs = dict(seq_lens=seq_lens, block_table=block_table, scale=scale,
                 sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
                 v_scale=v_scale, interpret=interpret)
-  if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
+  if is_decode_batch(q, seq_lens, max_query_len):
     from pallas_kernels.decode_attention import paged_decode_attention
     return paged_decode_attention(q, cache, spec, **kwargs)
   from pallas_kernels.ragged_attention import ragged_paged_attention

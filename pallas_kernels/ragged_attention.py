@@ -62,6 +62,12 @@ def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, inter
   return ragged_triton.TileConfig(rows=rows, block_kv=block_kv, num_warps=4, num_stages=3)
 
 
+def supports_spec(spec: KVCacheSpec) -> bool:
+  """Every cache dtype but int4 per token-head and nvfp4."""
+  fmt = spec.format
+  return not (fmt.kind == F.NVFP4 or fmt.quant == "int4")
+
+
 def _check_supported(spec: KVCacheSpec):
   fmt = spec.format
   if fmt.kind == F.NVFP4 or fmt.quant == "int4":
