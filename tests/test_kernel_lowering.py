@@ -1,0 +1,58 @@
+"""Every attention kernel lowers through Pallas' Triton lowering for CUDA, on this CPU machine.
+
+``jax.export`` with ``platforms=["cuda"]`` runs the lowering that the GPU runs (compiling the
+Triton IR needs the GPU), so an op the lowering of the installed jax rejects fails here, in CI,
+on jax 0.10.2 as on the GPU machine's 0.11.2.
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from kvjax import KVCacheSpec
+from kvjax import formats as F
+from pallas_kernels.decode_attention import paged_decode_attention
+from pallas_kernels.ragged_attention import ragged_paged_attention, supports_spec
+
+ALLOW = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+S, G, MAX_BLOCKS = 4, 4, 8
+
+
+def _abstract(spec):
+  cache = jax.ShapeDtypeStruct(spec.physical_shape(32), spec.storage_dtype)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  return cache, i32(S + 1), i32(S), i32(S, MAX_BLOCKS)
+
+
+def _lowered_text(f, *args):
+  return export.export(jax.jit(f), platforms=["cuda"], disabled_checks=ALLOW)(*args).mlir_module()
+
+
+CASES = [(cd, layout, d) for cd in F.CACHE_FORMATS if cd != "nvfp4"
+         for layout, d in (("NHD", 128), ("HND", 80))] + [("nvfp4", "HND", 128)]
+
+
+@pytest.mark.parametrize("cache_dtype,layout,head_size", CASES)
+def test_decode_kernel_lowers_for_cuda(cache_dtype, layout, head_size):
+  spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)
+  cache, _, sl, bt = _abstract(spec)
+  q = jax.ShapeDtypeStruct((S, 2 * G, head_size), jnp.bfloat16)
+  ks = 0.5 if spec.format.has_tensor_scales else None
+  f = lambda q, c, sl, bt: paged_decode_attention(
+      q, c, spec, seq_lens=sl, block_table=bt, scale=0.1, sliding_window=64, soft_cap=30.0,
+      sinks=jnp.zeros(2 * G), k_scale=ks, v_scale=ks)
+  assert "xla.gpu.triton" in _lowered_text(f, q, cache, sl, bt)
+
+
+@pytest.mark.parametrize("cache_dtype,layout,head_size",
+                         [c for c in CASES if supports_spec(KVCacheSpec(2, c[2], 16, *c[:2]))])
+def test_ragged_kernel_lowers_for_cuda(cache_dtype, layout, head_size):
+  spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)
+  cache, qsl, sl, bt = _abstract(spec)
+  q = jax.ShapeDtypeStruct((64, 2 * G, head_size), jnp.bfloat16)
+  ks = 0.5 if spec.format.has_tensor_scales else None
+  f = lambda q, c, qsl, sl, bt: ragged_paged_attention(
+      q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=0.1,
+      sliding_window=64, soft_cap=30.0, sinks=jnp.zeros(2 * G), k_scale=ks, v_scale=ks,
+      max_query_len=32)
+  assert "xla.gpu.triton" in _lowered_text(f, q, cache, qsl, sl, bt)
