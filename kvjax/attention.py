@@ -1,7 +1,6 @@
 """Public paged attention: ``unified_attention`` (ragged prefill + decode, spec §6)."""
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax import dispatch
@@ -12,28 +11,12 @@ from kvjax.spec import KVCacheSpec
 
 def check_attention_args(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens, block_table,
                          sliding_window, soft_cap, sinks, max_query_len=None):
-  spec.num_blocks_of(cache)
-  if q.ndim != 3:
-    raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
-  t, hq, d = q.shape
-  if d != spec.head_size:
-    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
-  if hq % spec.num_kv_heads:
-    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={spec.num_kv_heads}")
-  if not jnp.issubdtype(q.dtype, jnp.floating):
-    raise TypeError(f"q must be floating point, got {q.dtype}")
+  sl, bt = V.check_attention_inputs(q, cache, spec, seq_lens, block_table, sliding_window,
+                                    soft_cap, sinks)
   qsl = V.check_int_array("query_start_loc", query_start_loc, 1)
-  sl = V.check_int_array("seq_lens", seq_lens, 1)
-  bt = V.check_int_array("block_table", block_table, 2)
-  if qsl.shape[0] != sl.shape[0] + 1 or bt.shape[0] != sl.shape[0]:
-    raise ValueError(f"query_start_loc [S+1], seq_lens [S] and block_table [S, M] disagree on S: "
-                     f"{qsl.shape}, {sl.shape}, {bt.shape}")
-  if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
-    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-  if soft_cap is not None and not soft_cap > 0:
-    raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
-  if sinks is not None and tuple(jnp.shape(sinks)) != (hq,):
-    raise ValueError(f"sinks must have shape [{hq}] (one per query head), got {jnp.shape(sinks)}")
+  if qsl.shape[0] != sl.shape[0] + 1:
+    raise ValueError(f"query_start_loc [S+1] and seq_lens [S] disagree on S: {qsl.shape}, "
+                     f"{sl.shape}")
   if max_query_len is not None:
     if not isinstance(max_query_len, int) or max_query_len < 1:
       raise ValueError(f"max_query_len must be a positive Python int or None, got "

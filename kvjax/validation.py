@@ -78,3 +78,36 @@ def normalize_scale(s):
 def check_impl(impl: str):
   if impl not in ("auto", "pallas", "reference"):
     raise ValueError(f"impl={impl!r} must be 'auto', 'pallas' or 'reference'")
+
+
+def check_attention_inputs(q, cache, spec: KVCacheSpec, seq_lens, block_table, sliding_window,
+                           soft_cap, sinks):
+  """Checks shared by every attention entry: q ``[T, Hq, D]``, the cache, seq_lens ``[S]``,
+  block_table ``[S, M]``, and the static options."""
+  if not isinstance(spec, KVCacheSpec):
+    raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
+  spec.num_blocks_of(cache)
+  if q.ndim != 3:
+    raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+  _, hq, d = q.shape
+  if d != spec.head_size:
+    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
+  if hq % spec.num_kv_heads:
+    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={spec.num_kv_heads}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise TypeError(f"q must be floating point, got {q.dtype}")
+  sl = check_int_array("seq_lens", seq_lens, 1)
+  bt = check_int_array("block_table", block_table, 2)
+  if bt.shape[0] != sl.shape[0]:
+    raise ValueError(f"seq_lens [S] and block_table [S, M] disagree on S: {sl.shape}, {bt.shape}")
+  if bt.shape[1] < 1:
+    raise ValueError("block_table needs at least one column")
+  if sliding_window is not None and (isinstance(sliding_window, bool) or
+                                     not isinstance(sliding_window, (int, np.integer)) or
+                                     sliding_window <= 0):
+    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  if soft_cap is not None and not float(soft_cap) > 0:
+    raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
+  if sinks is not None and tuple(jnp.shape(sinks)) != (hq,):
+    raise ValueError(f"sinks must have shape [{hq}] (one per query head), got {jnp.shape(sinks)}")
+  return sl, bt

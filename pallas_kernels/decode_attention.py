@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Optional
 
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax import formats as F
+from kvjax import validation as V
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.decode_config import DecodeConfig, choose_num_splits, default_config
 from pallas_kernels.decode_formats import TileFormat
@@ -22,36 +22,10 @@ from pallas_kernels.decode_triton import decode_call
 
 
 def _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks):
-  if not isinstance(spec, KVCacheSpec):
-    raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
-  spec.num_blocks_of(cache)
-  if q.ndim != 3:
-    raise ValueError(f"q must be [S, Hq, D], got shape {tuple(q.shape)}")
-  s, hq, d = q.shape
-  if d != spec.head_size:
-    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
-  if hq % spec.num_kv_heads:
-    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={spec.num_kv_heads}")
-  if not jnp.issubdtype(q.dtype, jnp.floating):
-    raise TypeError(f"q must be floating point, got {q.dtype}")
-  for name, x, nd in (("seq_lens", seq_lens, 1), ("block_table", block_table, 2)):
-    if jnp.ndim(x) != nd:
-      raise ValueError(f"{name} must be {nd}-D, got shape {jnp.shape(x)}")
-    if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
-      raise TypeError(f"{name} must have an integer dtype, got {jnp.asarray(x).dtype}")
-  if jnp.shape(seq_lens)[0] != s or jnp.shape(block_table)[0] != s:
-    raise ValueError(f"q [S={s}, ...], seq_lens {jnp.shape(seq_lens)} and block_table "
-                     f"{jnp.shape(block_table)} disagree on S (decode: one query per sequence)")
-  if jnp.shape(block_table)[1] < 1:
-    raise ValueError("block_table needs at least one column")
-  if sliding_window is not None and (isinstance(sliding_window, bool)
-                                     or not isinstance(sliding_window, (int, np.integer))
-                                     or sliding_window <= 0):
-    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-  if soft_cap is not None and not float(soft_cap) > 0:
-    raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
-  if sinks is not None and tuple(jnp.shape(sinks)) != (hq,):
-    raise ValueError(f"sinks must have shape [{hq}] (one per query head), got {jnp.shape(sinks)}")
+  V.check_attention_inputs(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks)
+  if jnp.shape(seq_lens)[0] != q.shape[0]:
+    raise ValueError(f"q [S={q.shape[0]}, ...] and seq_lens {jnp.shape(seq_lens)} disagree on S "
+                     "(decode: one query per sequence)")
 
 
 def _tensor_scales(spec: KVCacheSpec, k_scale, v_scale):

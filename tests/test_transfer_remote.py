@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kvjax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the _transfer_* helpers
 import _transfer_data as TD
