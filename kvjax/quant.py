@@ -158,7 +158,8 @@ def quantize_nvfp4(x, global_scale):
 def dequantize_nvfp4(packed, sf, global_scale):
   """Inverse of :func:`quantize_nvfp4`: float32 ``[..., D]``."""
   gscale = jnp.asarray(1.0 if global_scale is None else global_scale, jnp.float32)
-  codes = jnp.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[:-1] + (-1,))
+  codes = jnp.stack([packed & 0xF, packed >> 4], -1).reshape(
+      packed.shape[:-1] + (2 * packed.shape[-1],))
   vals = e2m1_decode(codes)
   g = vals.reshape(vals.shape[:-1] + (sf.shape[-1], 16))
   out = g * sf.astype(jnp.float32)[..., None] * gscale

@@ -196,3 +196,16 @@ def test_closed_over_concrete_arguments_under_jit(rng):
   bad = jnp.asarray([0, 1, 2, 999], jnp.int32)
   with pytest.raises(ValueError, match="slot"):
     jax.jit(lambda c: kvjax.write_kv(c, key, value, bad, spec))(spec.allocate(2))
+
+
+@pytest.mark.parametrize("cache_dtype", ALL_CACHE_DTYPES)
+def test_empty_write_and_read(rng, cache_dtype):
+  """No tokens: the cache comes back bit-identical and reads are empty."""
+  spec = spec_for(cache_dtype, num_kv_heads=2, head_size=16)
+  cache = poisoned_cache(rng, spec, 2)
+  key, value = random_kv(rng, spec, 3)
+  none = jnp.zeros((0,), jnp.int32)
+  out = kvjax.write_kv(cache, key, value, none, spec)
+  np.testing.assert_array_equal(as_bytes(out), as_bytes(cache))
+  k, v = kvjax.read_kv(out, spec, none)
+  assert k.shape == v.shape == (0, 2, 16)
