@@ -43,26 +43,20 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
       (Python int); kernels bucket it to a power of two so serving steps reuse
       compiled programs. None = T (always correct).
     impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None = on CPU).
-      "auto" takes the Pallas kernels on GPU where they support the cache dtype (decode:
-      all; ragged: all but int4 and nvfp4, which fall back to the reference), the
-      reference on CPU; "pallas" raises NotImplementedError where no kernel exists.
+      "auto" takes the Pallas kernels on GPU (decode or ragged, every cache dtype) and
+      the reference on CPU.
   Returns ``[T, Hq, D]`` in q's dtype.
   """
   check_attention_args(q, cache, spec, query_start_loc, seq_lens, block_table, sliding_window,
                        soft_cap, sinks, max_query_len)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
-  requested = impl
   impl, interpret = dispatch.choose(impl, interpret)
-  if impl == "pallas":
-    from pallas_kernels import attention
-    decode = attention.is_decode_batch(q, seq_lens, max_query_len)
-    if requested == "auto" and not attention.supports(spec, decode=decode):
-      impl = "reference"   # e.g. int4 / nvfp4 in a ragged batch: correct, not fast
   kwargs = dict(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                 scale=scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap,
                 sinks=sinks, k_scale=k_scale, v_scale=v_scale)
   if impl == "reference":
     return ref.unified_attention(q, cache, spec, **kwargs)
+  from pallas_kernels import attention
   return attention.unified_attention(q, cache, spec, max_query_len=max_query_len,
                                      interpret=interpret, **kwargs)

@@ -7,15 +7,6 @@ def is_decode_batch(q, seq_lens, max_query_len) -> bool:
   return max_query_len == 1 and q.shape[0] == seq_lens.shape[0]
 
 
-def supports(spec, *, decode: bool) -> bool:
-  """Whether a Pallas kernel handles this cache: decode takes every cache dtype, the ragged
-  kernel all but int4 and nvfp4."""
-  if decode:
-    return True
-  from pallas_kernels.ragged_attention import supports_spec
-  return supports_spec(spec)
-
-
 def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table, scale,
                       causal=True, sliding_window=None, soft_cap=None, sinks=None, k_scale=None,
                       v_scale=None, max_query_len=None, interpret=False):

@@ -62,18 +62,18 @@ def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, inter
 
 
 def supports_spec(spec: KVCacheSpec) -> bool:
-  """Every cache dtype but int4 per token-head and nvfp4."""
-  fmt = spec.format
-  return not (fmt.kind == F.NVFP4 or fmt.quant == "int4")
+  """Every cache dtype (int4 per token-head and nvfp4 through the split-format kernel)."""
+  _check_supported(spec)
+  return True
 
 
 def _check_supported(spec: KVCacheSpec):
-  fmt = spec.format
-  if fmt.kind == F.NVFP4 or fmt.quant == "int4":
-    raise NotImplementedError(
-        f"ragged_paged_attention does not support cache_dtype={spec.cache_dtype!r} yet "
-        f"(int4 / nvfp4 caches): use impl='reference', or the decode kernel for pure decode "
-        f"batches")
+  """Every KVCacheSpec is supported: int4 / nvfp4 caches ("split" formats, even and odd
+  head dims kept apart) run :func:`ragged_triton.split_attention_call` (see
+  :func:`_run_split`), every other format :func:`ragged_triton.ragged_attention_call`.
+  Raises TypeError for anything but a KVCacheSpec."""
+  if not isinstance(spec, KVCacheSpec):
+    raise TypeError(f"spec must be a kvjax.KVCacheSpec, got {type(spec).__name__}")
 
 
 def _compute_dtype(q_dtype, spec: KVCacheSpec):
@@ -101,9 +101,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       block_table: int32 ``[S, max_blocks]``.
     scale: softmax scale (Python float). causal, sliding_window, soft_cap: static.
     sinks: float32 ``[Hq]`` per-query-head sink logits or None.
-    k_scale, v_scale: fp8 per-tensor scales, scalar or ``[H]`` (ignored otherwise).
-    max_query_len: static upper bound on per-sequence query length (None = T);
-      bucketed to a power of two (see the module docstring).
+    k_scale, v_scale: fp8 per-tensor / nvfp4 global scales, scalar or ``[H]`` (else ignored).
+    max_query_len: static bound on per-sequence query length (None = T), bucketed (module doc).
     interpret: run the kernel in Pallas interpret mode (CPU tests).
     tile_config: override the tile sizes / launch parameters (benchmarks).
   Returns:
@@ -135,14 +134,15 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   st = ragged_triton.KernelStatics(
       kind=fmt.kind, quant=fmt.quant if fmt.kind == F.PER_TOKEN_HEAD else None,
       head_size=d, head_pad=sched.next_pow2(d), data_dim=spec.data_dim,
-      v_offset=spec.padded_head_size, num_kv_heads=h, group=group,
-      block_size=spec.block_size, layout=spec.layout, num_blocks=num_blocks,
-      max_blocks=block_table.shape[1], num_tiles=num_tiles, bq=bq, rows=cfg.rows,
-      block_kv=cfg.block_kv, causal=bool(causal),
+      v_offset=spec.padded_head_size, num_kv_heads=h, group=group, block_size=spec.block_size,
+      layout=spec.layout, num_blocks=num_blocks, max_blocks=block_table.shape[1],
+      num_tiles=num_tiles, bq=bq, rows=cfg.rows, block_kv=cfg.block_kv, causal=bool(causal),
       window=None if sliding_window is None else int(sliding_window),
-      soft_cap=None if soft_cap is None else float(soft_cap),
-      has_sinks=sinks is not None, scale=float(scale), compute_dtype=cdt,
-      array_cols=bool(interpret))
+      soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
+      scale=float(scale), compute_dtype=cdt, array_cols=bool(interpret))
+  if fmt.kind == F.NVFP4 or fmt.quant == "int4":      # split formats (int4, nvfp4)
+    return _run_split(q, cache, spec, query_start_loc, seq_lens, block_table, k_scale, v_scale,
+                      sinks, st=st, cfg=cfg, interpret=bool(interpret))
   return _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks,
               st=st, cfg=cfg, interpret=bool(interpret))
 
@@ -163,4 +163,27 @@ def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sin
   out = ragged_triton.ragged_attention_call(
       q.reshape(t * hq, d), cache2d, meta, ks, vs, sk, jnp.zeros((t * hq, d), q.dtype),
       st=st, cfg=cfg, interpret=interpret)
+  return out.reshape(t, hq, d)
+
+
+def _run_split(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens, block_table, k_scale,
+               v_scale, sinks, *, st, cfg, interpret):
+  """:func:`_run` for int4 per token-head and nvfp4 caches: the cache goes to the kernel as
+  pages ``[B, page_elems]`` (a free reshape) read through the decode kernel's
+  :class:`pallas_kernels.decode_formats.TileFormat`; nvfp4's global k/v scales per head."""
+  t, hq, d = q.shape
+  tf = ragged_triton.TileFormat.of(spec, q.dtype)
+  qsl = query_start_loc.astype(jnp.int32)
+  tile_seq, tile_q0 = sched.tile_schedule(qsl, st.num_tiles, st.bq)
+  meta = (tile_seq, tile_q0, qsl, seq_lens.astype(jnp.int32),
+          block_table.astype(jnp.int32).reshape(-1))
+  pages = cache.reshape(st.num_blocks, tf.page_elems)
+  has_tensor_scales = st.kind == F.NVFP4
+  ks = _per_head(k_scale if has_tensor_scales else None, st.num_kv_heads)
+  vs = _per_head(v_scale if has_tensor_scales else None, st.num_kv_heads)
+  sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
+        else jnp.asarray(sinks, jnp.float32).reshape(hq))
+  out = ragged_triton.split_attention_call(
+      q.reshape(t * hq, d), pages, meta, ks, vs, sk, jnp.zeros((t * hq, d), q.dtype),
+      st=st, tf=tf, cfg=cfg, interpret=interpret)
   return out.reshape(t, hq, d)

@@ -14,9 +14,9 @@ cross the causal diagonal, the window edge or the sequence end are masked.
 The cache is read in place: the physical array is viewed as rows
 ``[B*N*H, C]`` (NHD) or ``[B*H*N, C]`` (HND), a free reshape, and each key
 tile loads the K half and the V half of the same rows back to back (spec §8).
-Quantized caches are dequantized in registers: fp8 per-tensor scales fold into
-the score scale / the output; per-token-head scales are read from the row's
-four scale bytes and applied per key column.
+Quantized caches are dequantized in registers: fp8 scales fold into the score scale /
+the output; per-token-head scales come from the row's 4 scale bytes, per key column.
+int4 / nvfp4 run :func:`_split_kernel` (end of file) through decode's TileFormat.
 """
 from __future__ import annotations
 
@@ -284,4 +284,149 @@ def ragged_attention_call(q2d, cache2d, meta, k_scale_h, v_scale_h, sinks, out_i
       compiler_params=params,
       interpret=interpret,
       name="kvjax_ragged_paged_attention",
+  )(*args)
+
+
+# -- Split formats: int4 per token-head and nvfp4 ---------------------------------------------
+# Appended after the kernel above, which stays byte-identical (its exported code carries source
+# locations). The per-format loads and dequantization are the decode kernel's TileFormat.
+from pallas_kernels.decode_formats import TileFormat  # noqa: E402
+
+
+def _split_cols(tf: TileFormat, part: int):
+  """Head-dim columns held by accumulator part ``part`` (even / odd dims) and which are real."""
+  i = jnp.arange(tf.part_width, dtype=jnp.int32)
+  return 2 * i + part, i < tf.head_size // 2
+
+
+def _split_kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, pages_ref,
+                  ks_ref, vs_ref, sink_ref, _o_init_ref, o_ref, *, st: KernelStatics,
+                  tf: TileFormat):
+  """:func:`_kernel` for formats that keep even and odd head dims apart (``tf.split``).
+
+  q is read as two parts ``[rows, W]`` (even dims, odd dims), K/V tiles come from
+  ``tf.load_kv`` over the cache viewed as pages ``[B, page_elems]``, scores from
+  ``tf.scores`` and the ``p @ v`` parts from ``tf.values`` (fp4 / int4 unpacked in
+  registers, nvfp4 global k/v scales applied there); the two output parts are stored
+  interleaved back into ``[T*Hq, D]``. Tiling, masking and the online softmax are
+  :func:`_kernel`'s.
+  """
+  h = pl.program_id(0)
+  tile = st.num_tiles - 1 - pl.program_id(1)
+  g_count, bq, bk = st.group, st.bq, st.block_kv
+  seq = tile_seq_ref[tile]
+  q0 = tile_q0_ref[tile]
+  q_start = qsl_ref[seq]
+  q_len = qsl_ref[seq + 1] - q_start
+  seq_len = seq_lens_ref[seq]
+  nq = jnp.clip(q_len - q0, 0, bq)
+  pos_first = seq_len - q_len + q0
+  pos_last = pos_first + nq - 1
+
+  r = jnp.arange(st.rows, dtype=jnp.int32)
+  tok = lax.div(r, g_count)
+  g = lax.rem(r, g_count)
+  row_ok = tok < nq
+  hq = st.num_kv_heads * g_count
+  q_rows = jnp.where(row_ok, (q_start + q0 + tok) * hq + h * g_count + g, q_ref.shape[0])
+  w = tf.part_width
+  q_parts = []
+  for part in range(tf.num_parts):
+    cols, cmask = _split_cols(tf, part)
+    idx = (jnp.broadcast_to(q_rows[:, None], (st.rows, w)),
+           jnp.broadcast_to(jnp.minimum(cols, st.head_size - 1)[None, :], (st.rows, w)))
+    qp = pltriton.load(q_ref.at[idx], mask=row_ok[:, None] & cmask[None, :], other=0.0)
+    q_parts.append(qp.astype(tf.compute_dtype))
+  qsum = sum(jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q_parts)   # int4 zero points
+  k_scale = ks_ref[h]
+  v_scale = vs_ref[h]
+  qk_scale = st.scale * _LOG2E
+  row_pos = pos_first + tok
+  if st.has_sinks:
+    m0 = pltriton.load(sink_ref.at[h * g_count + g]).astype(jnp.float32) * _LOG2E
+    l0 = jnp.ones((st.rows,), jnp.float32)
+  else:
+    m0 = jnp.full((st.rows,), _M_INIT, jnp.float32)
+    l0 = jnp.zeros((st.rows,), jnp.float32)
+  accs0 = tuple(jnp.zeros((st.rows, w), jnp.float32) for _ in range(tf.num_parts))
+
+  empty = nq <= 0
+  kv_hi = jnp.minimum(seq_len, pos_last + 1) if st.causal else seq_len
+  kv_lo = jnp.maximum(pos_first - st.window + 1, 0) if st.window else jnp.int32(0)
+  j_lo = lax.div(kv_lo, bk)
+  j_hi = jnp.where(empty, j_lo, lax.div(kv_hi + bk - 1, bk))
+  full_lo = (lax.div(jnp.maximum(pos_last - st.window + 1, 0) + bk - 1, bk)
+             if st.window else j_lo)
+  full_end = jnp.minimum(pos_first + 1, seq_len) if st.causal else seq_len
+  full_hi = lax.div(full_end, bk)
+  b = jnp.clip(full_lo, j_lo, j_hi)
+  c = jnp.clip(full_hi, b, j_hi)
+
+  def step(j, carry, masked):
+    accs, m, l = carry
+    kp = j * bk + jnp.arange(bk, dtype=jnp.int32)
+    in_seq = kp < seq_len if masked else None
+    page = jnp.minimum(lax.div(kp, st.block_size), st.max_blocks - 1)
+    off = lax.rem(kp, st.block_size)
+    bt_idx = seq * st.max_blocks + page
+    if masked:
+      blk = pltriton.load(bt_ref.at[bt_idx], mask=in_seq, other=0)
+    else:
+      blk = pltriton.load(bt_ref.at[bt_idx])
+    blk = jnp.clip(blk, 0, st.num_blocks - 1)
+    valid = in_seq if masked else jnp.ones((bk,), jnp.bool_)
+    tiles = tf.load_kv(pages_ref, blk, off, h, valid)
+    s = tf.scores(q_parts, qsum, tiles, k_scale) * qk_scale
+    if st.soft_cap is not None:
+      cap = st.soft_cap * _LOG2E
+      s = cap * jnp.tanh(s * (1.0 / cap))
+    if masked:
+      vis = in_seq[None, :]
+      if st.causal:
+        vis = vis & (kp[None, :] <= row_pos[:, None])
+      if st.window:
+        vis = vis & (row_pos[:, None] - kp[None, :] < st.window)
+      s = jnp.where(vis, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp2(s - m_new[:, None])
+    if masked:
+      p = jnp.where(vis, p, 0.0)
+    alpha = jnp.exp2(m - m_new)
+    l = l * alpha + jnp.sum(p, axis=1)
+    parts = tf.values(p, tiles, v_scale)
+    accs = tuple(a * alpha[:, None] + o for a, o in zip(accs, parts))
+    return accs, m_new, l
+
+  carry = (accs0, m0, l0)
+  carry = lax.fori_loop(j_lo, b, functools.partial(_step_wrap, step, True), carry)
+  carry = lax.fori_loop(b, c, functools.partial(_step_wrap, step, False), carry)
+  carry = lax.fori_loop(c, j_hi, functools.partial(_step_wrap, step, True), carry)
+  accs, _, l = carry
+  inv = 1.0 / jnp.where(l > 0, l, 1.0)
+  for part, acc in enumerate(accs):
+    cols, cmask = _split_cols(tf, part)
+    idx = (jnp.broadcast_to(q_rows[:, None], (st.rows, w)),
+           jnp.broadcast_to(cols[None, :], (st.rows, w)))
+    pltriton.store(o_ref.at[idx], (acc * inv[:, None]).astype(o_ref.dtype),
+                   mask=row_ok[:, None] & cmask[None, :])
+
+
+def split_attention_call(q2d, pages, meta, k_scale_h, v_scale_h, sinks, out_init, *,
+                         st: KernelStatics, tf: TileFormat, cfg: TileConfig, interpret: bool):
+  """Launch :func:`_split_kernel`; as :func:`ragged_attention_call` but the cache comes as
+  pages ``[B, page_elems]`` (a free reshape) and k/v_scale_h are nvfp4's global scales."""
+  if not tf.split:
+    raise ValueError(f"split_attention_call takes int4 / nvfp4 formats, not {tf.kind!r}")
+  kernel = functools.partial(_split_kernel, st=st, tf=tf)
+  args = (*meta, q2d, pages, k_scale_h, v_scale_h, sinks, out_init)
+  params = None if interpret else pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                                          num_stages=cfg.num_stages)
+  return pl.pallas_call(
+      kernel,
+      grid=(st.num_kv_heads, st.num_tiles),
+      out_shape=jax.ShapeDtypeStruct(out_init.shape, out_init.dtype),
+      input_output_aliases={len(args) - 1: 0},
+      compiler_params=params,
+      interpret=interpret,
+      name="kvjax_ragged_paged_attention_split",
   )(*args)

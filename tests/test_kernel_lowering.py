@@ -56,3 +56,24 @@ def test_ragged_kernel_lowers_for_cuda(cache_dtype, layout, head_size):
       sliding_window=64, soft_cap=30.0, sinks=jnp.zeros(2 * G), k_scale=ks, v_scale=ks,
       max_query_len=32)
   assert "xla.gpu.triton" in _lowered_text(f, q, cache, qsl, sl, bt)
+
+
+@pytest.mark.parametrize("cache_dtype,layout,head_size,q_dtype,max_query_len", [
+    ("int4_per_token_head", "NHD", 64, jnp.bfloat16, 64),    # 256-row prefill tile
+    ("int4_per_token_head", "HND", 96, jnp.float32, 1),
+    ("nvfp4", "HND", 64, jnp.bfloat16, 64),
+    ("nvfp4", "HND", 32, jnp.float16, 1),                    # V scales stored linearly
+])
+def test_ragged_split_formats_lower_for_cuda(cache_dtype, layout, head_size, q_dtype,
+                                             max_query_len):
+  """int4 / nvfp4 through the ragged kernel's split-format path: other tiles, q dtypes, D."""
+  spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)
+  cache, qsl, sl, bt = _abstract(spec)
+  q = jax.ShapeDtypeStruct((64, 2 * G, head_size), q_dtype)
+  ks = 0.5 if spec.format.has_tensor_scales else None
+  f = lambda q, c, qsl, sl, bt: ragged_paged_attention(
+      q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=0.1,
+      causal=max_query_len > 1, soft_cap=30.0, k_scale=ks, v_scale=ks,
+      max_query_len=max_query_len)
+  text = _lowered_text(f, q, cache, qsl, sl, bt)
+  assert "xla.gpu.triton" in text and "kvjax_ragged_paged_attention_split" in text

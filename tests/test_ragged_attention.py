@@ -17,7 +17,7 @@ import kvjax
 from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
 from pallas_kernels import ragged_schedule as sched
-from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.ragged_attention import ragged_paged_attention, supports_spec
 from pallas_kernels.ragged_triton import TileConfig
 
 Q_LENS = (7, 1, 20, 0, 1, 12)
@@ -161,16 +161,48 @@ def test_tile_schedule_covers_every_token_once(rng):
       assert np.all(seen == 1), (q_lens, bq)
 
 
-@pytest.mark.parametrize("cache_dtype", ["int4_per_token_head", "nvfp4"])
-def test_unsupported_formats_raise(cache_dtype):
+SPLIT_CASES = [
+    # layout, cache_dtype, G, D, N, (k_scale, v_scale), extra kwargs
+    ("NHD", "int4_per_token_head", 1, 64, 16, (None, None), {}),
+    ("HND", "int4_per_token_head", 4, 80, 16, (None, None),
+     dict(sliding_window=9, soft_cap=4.0, sinks=True)),
+    ("NHD", "int4_per_token_head", 5, 96, 32, (None, None), dict(max_query_len=32)),
+    ("HND", "nvfp4", 2, 64, 16, (0.5, 2.0), {}),
+    ("HND", "nvfp4", 4, 128, 16, (0.25, 1.5), dict(causal=False, sliding_window=30)),
+    ("HND", "nvfp4", 1, 32, 16, (1.5, 0.75), {}),     # S = D/16 = 2: V scales stored linearly
+]
+
+
+@pytest.mark.parametrize("layout,cache_dtype,group,head_size,block_size,scales,kw", SPLIT_CASES)
+def test_ragged_split_formats_match_reference(rng, layout, cache_dtype, group, head_size,
+                                              block_size, scales, kw):
+  """int4 per token-head and nvfp4 (even / odd head dims apart, decode's TileFormat)."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=head_size, block_size=block_size,
+                           layout=layout, cache_dtype=cache_dtype, dtype=jnp.bfloat16)
+  assert supports_spec(spec)
+  ks, vs = (None if x is None else jnp.asarray(x, jnp.float32) for x in scales)
+  kw = dict(kw)
+  if kw.pop("sinks", False):
+    kw["sinks"] = jnp.asarray(rng.standard_normal(2 * group) * 2, jnp.float32)
+  o, r = _run_both(rng, spec, group, k_scale=ks, v_scale=vs, **kw)
+  _close(o, r, jnp.bfloat16)
+
+
+def test_split_format_gpu_prefill_tile_matches_reference(rng):
+  """int4 through the 256-row x 64-key tile the GPU uses for prefill buckets."""
   spec = kvjax.KVCacheSpec(num_kv_heads=1, head_size=64, block_size=16, layout="HND",
-                           cache_dtype=cache_dtype)
-  cache = spec.allocate(2)
-  q = jnp.zeros((4, 1, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="int4 / nvfp4"):
-    ragged_paged_attention(q, cache, spec, query_start_loc=jnp.asarray([0, 4]),
-                           seq_lens=jnp.asarray([4]), block_table=jnp.zeros((1, 1), jnp.int32),
-                           scale=0.1, interpret=True)
+                           cache_dtype="int4_per_token_head", dtype=jnp.bfloat16)
+  o, r = _run_both(rng, spec, 4, tile_config=TileConfig(256, 64, 8, 3), sliding_window=20)
+  _close(o, r, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("cache_dtype", sorted(kvjax.formats.CACHE_FORMATS))
+def test_supports_every_cache_dtype(cache_dtype):
+  layout = "HND" if cache_dtype == "nvfp4" else "NHD"
+  assert supports_spec(kvjax.KVCacheSpec(num_kv_heads=1, head_size=64, block_size=16,
+                                         layout=layout, cache_dtype=cache_dtype))
+  with pytest.raises(TypeError, match="KVCacheSpec"):
+    supports_spec("int4_per_token_head")
 
 
 def test_public_unified_attention_dispatches_here(rng):

@@ -146,15 +146,23 @@ def test_legacy_5d_roundtrip(rng, layout):
     kvjax.from_legacy_5d(legacy, spec_for("int8_per_token_head"))
 
 
-def test_auto_on_gpu_falls_back_where_no_kernel(rng, monkeypatch):
-  """impl="auto" on a GPU backend: int4 in a ragged batch (no ragged kernel) takes the
-  reference; impl="pallas" says NotImplementedError instead of returning garbage."""
+def test_auto_on_gpu_runs_ragged_kernel_for_int4(rng, monkeypatch):
+  """impl="auto" on a GPU backend sends a ragged batch (an int4 cache here) to the ragged
+  Pallas kernel (in interpret mode), not the reference, and matches the numpy oracle."""
   from kvjax import dispatch
+  from pallas_kernels import ragged_attention
   monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
+  calls = []
+  kernel = ragged_attention.ragged_paged_attention
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs.get("interpret"))
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(ragged_attention, "ragged_paged_attention", spy)
   spec = spec_for("int4_per_token_head", num_kv_heads=2, head_size=32)
   q, cache, meta, kk, vv = build_batch(rng, spec, [3, 1], [4, 9], 4)
   out = kvjax.unified_attention(q, cache, spec, scale=0.2, interpret=True, **meta)
+  assert calls == [True]
   np.testing.assert_allclose(np.asarray(out), numpy_attention(q, meta, kk, vv, scale=0.2),
                              rtol=2e-5, atol=2e-5)
-  with pytest.raises(NotImplementedError):
-    kvjax.unified_attention(q, cache, spec, scale=0.2, impl="pallas", interpret=True, **meta)
