@@ -35,6 +35,7 @@ from kvjax import formats as F
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
 from pallas_kernels import ragged_triton
+from pallas_kernels.decode_formats import TileFormat
 
 _MAX_ROWS = 256
 
@@ -68,10 +69,8 @@ def supports_spec(spec: KVCacheSpec) -> bool:
 
 
 def _check_supported(spec: KVCacheSpec):
-  """Every KVCacheSpec is supported: int4 / nvfp4 caches ("split" formats, even and odd
-  head dims kept apart) run :func:`ragged_triton.split_attention_call` (see
-  :func:`_run_split`), every other format :func:`ragged_triton.ragged_attention_call`.
-  Raises TypeError for anything but a KVCacheSpec."""
+  """Every KVCacheSpec is supported (int4 / nvfp4 caches, even and odd head dims kept apart,
+  through the decode kernel's TileFormat). Raises TypeError for anything but a KVCacheSpec."""
   if not isinstance(spec, KVCacheSpec):
     raise TypeError(f"spec must be a kvjax.KVCacheSpec, got {type(spec).__name__}")
 
@@ -140,50 +139,30 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
       scale=float(scale), compute_dtype=cdt, array_cols=bool(interpret))
-  if fmt.kind == F.NVFP4 or fmt.quant == "int4":      # split formats (int4, nvfp4)
-    return _run_split(q, cache, spec, query_start_loc, seq_lens, block_table, k_scale, v_scale,
-                      sinks, st=st, cfg=cfg, interpret=bool(interpret))
+  tf = TileFormat.of(spec, q.dtype) if fmt.kind == F.NVFP4 or fmt.quant == "int4" else None
   return _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks,
-              st=st, cfg=cfg, interpret=bool(interpret))
+              st=st, cfg=cfg, tf=tf, interpret=bool(interpret))
 
 
 def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks, *, st, cfg,
-         interpret):
+         tf, interpret):
+  """Launch the kernel. The cache goes in as rows ``[R, C]`` (a free reshape), or as pages
+  ``[B, page_elems]`` for int4 / nvfp4 (``tf``: the decode kernel's TileFormat)."""
   t, hq, d = q.shape
   qsl = query_start_loc.astype(jnp.int32)
   tile_seq, tile_q0 = sched.tile_schedule(qsl, st.num_tiles, st.bq)
   meta = (tile_seq, tile_q0, qsl, seq_lens.astype(jnp.int32),
           block_table.astype(jnp.int32).reshape(-1))
-  cache2d = cache.reshape(-1, cache.shape[-1])        # free: contiguous physical rows
-  has_tensor_scales = st.kind == F.FP8_PER_TENSOR
+  if tf is None:
+    cache2d = cache.reshape(-1, cache.shape[-1])        # free: contiguous physical rows
+  else:
+    cache2d = cache.reshape(st.num_blocks, tf.page_elems)
+  has_tensor_scales = st.kind in (F.FP8_PER_TENSOR, F.NVFP4)
   ks = _per_head(k_scale if has_tensor_scales else None, st.num_kv_heads)
   vs = _per_head(v_scale if has_tensor_scales else None, st.num_kv_heads)
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   out = ragged_triton.ragged_attention_call(
       q.reshape(t * hq, d), cache2d, meta, ks, vs, sk, jnp.zeros((t * hq, d), q.dtype),
-      st=st, cfg=cfg, interpret=interpret)
-  return out.reshape(t, hq, d)
-
-
-def _run_split(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens, block_table, k_scale,
-               v_scale, sinks, *, st, cfg, interpret):
-  """:func:`_run` for int4 per token-head and nvfp4 caches: the cache goes to the kernel as
-  pages ``[B, page_elems]`` (a free reshape) read through the decode kernel's
-  :class:`pallas_kernels.decode_formats.TileFormat`; nvfp4's global k/v scales per head."""
-  t, hq, d = q.shape
-  tf = ragged_triton.TileFormat.of(spec, q.dtype)
-  qsl = query_start_loc.astype(jnp.int32)
-  tile_seq, tile_q0 = sched.tile_schedule(qsl, st.num_tiles, st.bq)
-  meta = (tile_seq, tile_q0, qsl, seq_lens.astype(jnp.int32),
-          block_table.astype(jnp.int32).reshape(-1))
-  pages = cache.reshape(st.num_blocks, tf.page_elems)
-  has_tensor_scales = st.kind == F.NVFP4
-  ks = _per_head(k_scale if has_tensor_scales else None, st.num_kv_heads)
-  vs = _per_head(v_scale if has_tensor_scales else None, st.num_kv_heads)
-  sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
-        else jnp.asarray(sinks, jnp.float32).reshape(hq))
-  out = ragged_triton.split_attention_call(
-      q.reshape(t * hq, d), pages, meta, ks, vs, sk, jnp.zeros((t * hq, d), q.dtype),
-      st=st, tf=tf, cfg=cfg, interpret=interpret)
+      st=st, cfg=cfg, tf=tf, interpret=interpret)
   return out.reshape(t, hq, d)

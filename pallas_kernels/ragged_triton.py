@@ -16,7 +16,7 @@ The cache is read in place: the physical array is viewed as rows
 tile loads the K half and the V half of the same rows back to back (spec §8).
 Quantized caches are dequantized in registers: fp8 scales fold into the score scale /
 the output; per-token-head scales come from the row's 4 scale bytes, per key column.
-int4 / nvfp4 run :func:`_split_kernel` (end of file) through decode's TileFormat.
+int4 / nvfp4 tiles come from the decode kernel's TileFormat (:class:`_SplitTiles`).
 """
 from __future__ import annotations
 
@@ -158,10 +158,129 @@ def _to_compute(x, st: KernelStatics):
   return x.astype(st.compute_dtype)
 
 
+class _RowTiles:
+  """K/V tiles as rows of the physical cache ``[R, C]``: plain, fp8 and int8/fp8 per-token-head
+  caches. K and V of a key are the two halves of one row, loaded back to back."""
+
+  def __init__(self, st: KernelStatics, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref):
+    self.st, self.h = st, h
+    self.q_ref, self.cache_ref, self.ks_ref, self.vs_ref, self.o_ref = (
+        q_ref, cache_ref, ks_ref, vs_ref, o_ref)
+
+  def load_q(self, q_rows, row_ok):
+    """(q ``[rows, head_pad]``, score scale in the exp2 domain)."""
+    st = self.st
+    qk_scale = st.scale * _LOG2E
+    if st.kind == F.FP8_PER_TENSOR:
+      qk_scale = qk_scale * self.ks_ref[self.h]
+    # q stays as loaded (a dot operand straight from memory); scaling q in registers first
+    # measured slower on the H200 (245 vs 295 TFLOP/s at 128 x 32 tiles, register pressure).
+    return _load_rows(self.q_ref, q_rows, st, 0, row_ok), qk_scale
+
+  def init_acc(self):
+    return jnp.zeros((self.st.rows, self.st.head_pad), jnp.float32)
+
+  def load_kv(self, blk, off, in_seq):
+    st = self.st
+    if st.layout == "NHD":
+      rows = (blk * st.block_size + off) * st.num_kv_heads + self.h
+    else:
+      rows = (blk * st.num_kv_heads + self.h) * st.block_size + off
+    k = _load_rows(self.cache_ref, rows, st, 0, in_seq)
+    v = _load_rows(self.cache_ref, rows, st, st.v_offset, in_seq)
+    return rows, k, v
+
+  def scores(self, q, tiles, qk_scale, in_seq):
+    st = self.st
+    rows, k, _ = tiles
+    s = _dot(q, k, (1, 1)) * qk_scale   # [rows, bk] float32: scale * q.k * log2(e)
+    if st.kind == F.PER_TOKEN_HEAD:
+      s = s * _row_scale(self.cache_ref, rows, st.data_dim, in_seq)[None, :]
+    return s
+
+  def accumulate(self, q, acc, alpha, p, tiles, in_seq):
+    st = self.st
+    rows, _, v = tiles
+    if st.kind == F.PER_TOKEN_HEAD:
+      p = p * _row_scale(self.cache_ref, rows, st.v_offset + st.data_dim, in_seq)[None, :]
+    return acc * alpha[:, None] + _dot(p.astype(st.compute_dtype), v, (1, 0))
+
+  def store(self, acc, l, q_rows, row_ok):
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    if self.st.kind == F.FP8_PER_TENSOR:
+      out = out * self.vs_ref[self.h]
+    _store_rows(self.o_ref, q_rows, out.astype(self.o_ref.dtype), self.st, row_ok)
+
+
+class _SplitTiles:
+  """K/V tiles of int4 per-token-head and nvfp4 caches through the decode kernel's
+  :class:`~pallas_kernels.decode_formats.TileFormat`, over the cache viewed as pages
+  ``[B, page_elems]``: even and odd head dims are kept apart (q read as two parts, fp4 /
+  int4 unpacked in registers, nvfp4 global k/v scales applied there), and the two output
+  parts are stored interleaved back into ``[T*Hq, D]``."""
+
+  def __init__(self, st: KernelStatics, tf, h, q_ref, pages_ref, ks_ref, vs_ref, o_ref):
+    self.st, self.tf, self.h = st, tf, h
+    self.q_ref, self.pages_ref, self.ks_ref, self.vs_ref, self.o_ref = (
+        q_ref, pages_ref, ks_ref, vs_ref, o_ref)
+
+  def _cols(self, part: int):
+    """Head-dim columns of accumulator part ``part`` (even / odd dims) and which are real."""
+    i = jnp.arange(self.tf.part_width, dtype=jnp.int32)
+    return 2 * i + part, i < self.tf.head_size // 2
+
+  def _idx(self, q_rows, cols):
+    shape = (self.st.rows, self.tf.part_width)
+    return (jnp.broadcast_to(q_rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape))
+
+  def load_q(self, q_rows, row_ok):
+    """((q parts, per-row q sums for int4 zero points, k scale, v scale), score scale)."""
+    tf = self.tf
+    q_parts = []
+    for part in range(tf.num_parts):
+      cols, cmask = self._cols(part)
+      idx = self._idx(q_rows, jnp.minimum(cols, self.st.head_size - 1))
+      qp = pltriton.load(self.q_ref.at[idx], mask=row_ok[:, None] & cmask[None, :], other=0.0)
+      q_parts.append(qp.astype(tf.compute_dtype))
+    qsum = sum(jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q_parts)
+    state = (q_parts, qsum, self.ks_ref[self.h], self.vs_ref[self.h])
+    return state, self.st.scale * _LOG2E
+
+  def init_acc(self):
+    return tuple(jnp.zeros((self.st.rows, self.tf.part_width), jnp.float32)
+                 for _ in range(self.tf.num_parts))
+
+  def load_kv(self, blk, off, in_seq):
+    valid = jnp.ones((self.st.block_kv,), jnp.bool_) if in_seq is None else in_seq
+    return self.tf.load_kv(self.pages_ref, blk, off, self.h, valid)
+
+  def scores(self, state, tiles, qk_scale, in_seq):
+    q_parts, qsum, k_scale, _ = state
+    return self.tf.scores(q_parts, qsum, tiles, k_scale) * qk_scale
+
+  def accumulate(self, state, acc, alpha, p, tiles, in_seq):
+    parts = self.tf.values(p, tiles, state[3])
+    return tuple(a * alpha[:, None] + o for a, o in zip(acc, parts))
+
+  def store(self, acc, l, q_rows, row_ok):
+    inv = 1.0 / jnp.where(l > 0, l, 1.0)
+    for part, a in enumerate(acc):
+      cols, cmask = self._cols(part)
+      pltriton.store(self.o_ref.at[self._idx(q_rows, cols)],
+                     (a * inv[:, None]).astype(self.o_ref.dtype),
+                     mask=row_ok[:, None] & cmask[None, :])
+
+
 def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cache_ref, ks_ref,
-            vs_ref, sink_ref, _o_init_ref, o_ref, *, st: KernelStatics):
+            vs_ref, sink_ref, _o_init_ref, o_ref, *, st: KernelStatics, tf=None):
+  """One (KV head, query tile) program; ``tf`` (a TileFormat) selects :class:`_SplitTiles`
+  for int4 / nvfp4 caches (``cache_ref`` then holds pages), else :class:`_RowTiles`."""
   h = pl.program_id(0)
   tile = st.num_tiles - 1 - pl.program_id(1)      # last tiles (most keys) launch first
+  if tf is None:
+    tiles_of = _RowTiles(st, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref)
+  else:
+    tiles_of = _SplitTiles(st, tf, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref)
   g_count, bq, bk = st.group, st.bq, st.block_kv
   seq = tile_seq_ref[tile]
   q0 = tile_q0_ref[tile]
@@ -179,12 +298,7 @@ def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cac
   hq = st.num_kv_heads * g_count
   # Rows outside the tile point one past the end of q: masked, and never aliasing a real row.
   q_rows = jnp.where(row_ok, (q_start + q0 + tok) * hq + h * g_count + g, q_ref.shape[0])
-  qk_scale = st.scale * _LOG2E
-  if st.kind == F.FP8_PER_TENSOR:
-    qk_scale = qk_scale * ks_ref[h]
-  # q stays as loaded (a dot operand straight from memory); scaling q in registers first
-  # measured slower on the H200 (245 vs 295 TFLOP/s at 128 x 32 tiles, register pressure).
-  q = _load_rows(q_ref, q_rows, st, 0, row_ok)
+  q, qk_scale = tiles_of.load_q(q_rows, row_ok)
   row_pos = pos_first + tok
   if st.has_sinks:
     m0 = pltriton.load(sink_ref.at[h * g_count + g]).astype(jnp.float32) * _LOG2E
@@ -192,7 +306,7 @@ def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cac
   else:
     m0 = jnp.full((st.rows,), _M_INIT, jnp.float32)
     l0 = jnp.zeros((st.rows,), jnp.float32)
-  acc0 = jnp.zeros((st.rows, st.head_pad), jnp.float32)
+  acc0 = tiles_of.init_acc()
 
   # Key range of this tile and the sub-range every row sees in full.
   empty = nq <= 0
@@ -219,15 +333,8 @@ def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cac
     else:
       blk = pltriton.load(bt_ref.at[bt_idx])
     blk = jnp.clip(blk, 0, st.num_blocks - 1)
-    if st.layout == "NHD":
-      rows = (blk * st.block_size + off) * st.num_kv_heads + h
-    else:
-      rows = (blk * st.num_kv_heads + h) * st.block_size + off
-    k = _load_rows(cache_ref, rows, st, 0, in_seq)
-    v = _load_rows(cache_ref, rows, st, st.v_offset, in_seq)
-    s = _dot(q, k, (1, 1)) * qk_scale   # [rows, bk] float32: scale * q.k * log2(e)
-    if st.kind == F.PER_TOKEN_HEAD:
-      s = s * _row_scale(cache_ref, rows, st.data_dim, in_seq)[None, :]
+    tiles = tiles_of.load_kv(blk, off, in_seq)
+    s = tiles_of.scores(q, tiles, qk_scale, in_seq)
     if st.soft_cap is not None:     # c * tanh(x / c) on x = s / log2(e), back to log2 domain
       cap = st.soft_cap * _LOG2E
       s = cap * jnp.tanh(s * (1.0 / cap))
@@ -244,9 +351,7 @@ def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cac
       p = jnp.where(vis, p, 0.0)
     alpha = jnp.exp2(m - m_new)
     l = l * alpha + jnp.sum(p, axis=1)
-    if st.kind == F.PER_TOKEN_HEAD:
-      p = p * _row_scale(cache_ref, rows, st.v_offset + st.data_dim, in_seq)[None, :]
-    acc = acc * alpha[:, None] + _dot(p.astype(st.compute_dtype), v, (1, 0))
+    acc = tiles_of.accumulate(q, acc, alpha, p, tiles, in_seq)
     return acc, m_new, l
 
   carry = (acc0, m0, l0)
@@ -254,10 +359,7 @@ def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cac
   carry = lax.fori_loop(b, c, functools.partial(_step_wrap, step, False), carry)
   carry = lax.fori_loop(c, j_hi, functools.partial(_step_wrap, step, True), carry)
   acc, _, l = carry
-  out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-  if st.kind == F.FP8_PER_TENSOR:
-    out = out * vs_ref[h]
-  _store_rows(o_ref, q_rows, out.astype(o_ref.dtype), st, row_ok)
+  tiles_of.store(acc, l, q_rows, row_ok)
 
 
 def _step_wrap(step, masked, j, carry):
@@ -265,14 +367,15 @@ def _step_wrap(step, masked, j, carry):
 
 
 def ragged_attention_call(q2d, cache2d, meta, k_scale_h, v_scale_h, sinks, out_init, *,
-                          st: KernelStatics, cfg: TileConfig, interpret: bool):
+                          st: KernelStatics, cfg: TileConfig, interpret: bool, tf=None):
   """Launch the kernel. ``meta`` = (tile_seq, tile_q0, query_start_loc, seq_lens, block_table_flat).
 
-  q2d: ``[T*Hq, D]``; cache2d: the physical cache as rows ``[R, C]``; k/v_scale_h: float32
-  ``[H]``; sinks: float32 ``[Hq]``; out_init: zeros ``[T*Hq, D]`` in q's dtype (aliased to
-  the output, so rows no tile covers -- padding -- stay 0). Returns ``[T*Hq, D]``.
+  q2d: ``[T*Hq, D]``; cache2d: the physical cache as rows ``[R, C]`` (with ``tf``, an int4 /
+  nvfp4 TileFormat: as pages ``[B, page_elems]``); k/v_scale_h: float32 ``[H]`` (fp8 / nvfp4
+  global scales); sinks: float32 ``[Hq]``; out_init: zeros ``[T*Hq, D]`` in q's dtype
+  (aliased to the output, so rows no tile covers -- padding -- stay 0). Returns ``[T*Hq, D]``.
   """
-  kernel = functools.partial(_kernel, st=st)
+  kernel = functools.partial(_kernel, st=st, tf=tf)
   args = (*meta, q2d, cache2d, k_scale_h, v_scale_h, sinks, out_init)
   params = None if interpret else pltriton.CompilerParams(num_warps=cfg.num_warps,
                                                           num_stages=cfg.num_stages)
@@ -283,150 +386,5 @@ def ragged_attention_call(q2d, cache2d, meta, k_scale_h, v_scale_h, sinks, out_i
       input_output_aliases={len(args) - 1: 0},
       compiler_params=params,
       interpret=interpret,
-      name="kvjax_ragged_paged_attention",
-  )(*args)
-
-
-# -- Split formats: int4 per token-head and nvfp4 ---------------------------------------------
-# Appended after the kernel above, which stays byte-identical (its exported code carries source
-# locations). The per-format loads and dequantization are the decode kernel's TileFormat.
-from pallas_kernels.decode_formats import TileFormat  # noqa: E402
-
-
-def _split_cols(tf: TileFormat, part: int):
-  """Head-dim columns held by accumulator part ``part`` (even / odd dims) and which are real."""
-  i = jnp.arange(tf.part_width, dtype=jnp.int32)
-  return 2 * i + part, i < tf.head_size // 2
-
-
-def _split_kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, pages_ref,
-                  ks_ref, vs_ref, sink_ref, _o_init_ref, o_ref, *, st: KernelStatics,
-                  tf: TileFormat):
-  """:func:`_kernel` for formats that keep even and odd head dims apart (``tf.split``).
-
-  q is read as two parts ``[rows, W]`` (even dims, odd dims), K/V tiles come from
-  ``tf.load_kv`` over the cache viewed as pages ``[B, page_elems]``, scores from
-  ``tf.scores`` and the ``p @ v`` parts from ``tf.values`` (fp4 / int4 unpacked in
-  registers, nvfp4 global k/v scales applied there); the two output parts are stored
-  interleaved back into ``[T*Hq, D]``. Tiling, masking and the online softmax are
-  :func:`_kernel`'s.
-  """
-  h = pl.program_id(0)
-  tile = st.num_tiles - 1 - pl.program_id(1)
-  g_count, bq, bk = st.group, st.bq, st.block_kv
-  seq = tile_seq_ref[tile]
-  q0 = tile_q0_ref[tile]
-  q_start = qsl_ref[seq]
-  q_len = qsl_ref[seq + 1] - q_start
-  seq_len = seq_lens_ref[seq]
-  nq = jnp.clip(q_len - q0, 0, bq)
-  pos_first = seq_len - q_len + q0
-  pos_last = pos_first + nq - 1
-
-  r = jnp.arange(st.rows, dtype=jnp.int32)
-  tok = lax.div(r, g_count)
-  g = lax.rem(r, g_count)
-  row_ok = tok < nq
-  hq = st.num_kv_heads * g_count
-  q_rows = jnp.where(row_ok, (q_start + q0 + tok) * hq + h * g_count + g, q_ref.shape[0])
-  w = tf.part_width
-  q_parts = []
-  for part in range(tf.num_parts):
-    cols, cmask = _split_cols(tf, part)
-    idx = (jnp.broadcast_to(q_rows[:, None], (st.rows, w)),
-           jnp.broadcast_to(jnp.minimum(cols, st.head_size - 1)[None, :], (st.rows, w)))
-    qp = pltriton.load(q_ref.at[idx], mask=row_ok[:, None] & cmask[None, :], other=0.0)
-    q_parts.append(qp.astype(tf.compute_dtype))
-  qsum = sum(jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q_parts)   # int4 zero points
-  k_scale = ks_ref[h]
-  v_scale = vs_ref[h]
-  qk_scale = st.scale * _LOG2E
-  row_pos = pos_first + tok
-  if st.has_sinks:
-    m0 = pltriton.load(sink_ref.at[h * g_count + g]).astype(jnp.float32) * _LOG2E
-    l0 = jnp.ones((st.rows,), jnp.float32)
-  else:
-    m0 = jnp.full((st.rows,), _M_INIT, jnp.float32)
-    l0 = jnp.zeros((st.rows,), jnp.float32)
-  accs0 = tuple(jnp.zeros((st.rows, w), jnp.float32) for _ in range(tf.num_parts))
-
-  empty = nq <= 0
-  kv_hi = jnp.minimum(seq_len, pos_last + 1) if st.causal else seq_len
-  kv_lo = jnp.maximum(pos_first - st.window + 1, 0) if st.window else jnp.int32(0)
-  j_lo = lax.div(kv_lo, bk)
-  j_hi = jnp.where(empty, j_lo, lax.div(kv_hi + bk - 1, bk))
-  full_lo = (lax.div(jnp.maximum(pos_last - st.window + 1, 0) + bk - 1, bk)
-             if st.window else j_lo)
-  full_end = jnp.minimum(pos_first + 1, seq_len) if st.causal else seq_len
-  full_hi = lax.div(full_end, bk)
-  b = jnp.clip(full_lo, j_lo, j_hi)
-  c = jnp.clip(full_hi, b, j_hi)
-
-  def step(j, carry, masked):
-    accs, m, l = carry
-    kp = j * bk + jnp.arange(bk, dtype=jnp.int32)
-    in_seq = kp < seq_len if masked else None
-    page = jnp.minimum(lax.div(kp, st.block_size), st.max_blocks - 1)
-    off = lax.rem(kp, st.block_size)
-    bt_idx = seq * st.max_blocks + page
-    if masked:
-      blk = pltriton.load(bt_ref.at[bt_idx], mask=in_seq, other=0)
-    else:
-      blk = pltriton.load(bt_ref.at[bt_idx])
-    blk = jnp.clip(blk, 0, st.num_blocks - 1)
-    valid = in_seq if masked else jnp.ones((bk,), jnp.bool_)
-    tiles = tf.load_kv(pages_ref, blk, off, h, valid)
-    s = tf.scores(q_parts, qsum, tiles, k_scale) * qk_scale
-    if st.soft_cap is not None:
-      cap = st.soft_cap * _LOG2E
-      s = cap * jnp.tanh(s * (1.0 / cap))
-    if masked:
-      vis = in_seq[None, :]
-      if st.causal:
-        vis = vis & (kp[None, :] <= row_pos[:, None])
-      if st.window:
-        vis = vis & (row_pos[:, None] - kp[None, :] < st.window)
-      s = jnp.where(vis, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.exp2(s - m_new[:, None])
-    if masked:
-      p = jnp.where(vis, p, 0.0)
-    alpha = jnp.exp2(m - m_new)
-    l = l * alpha + jnp.sum(p, axis=1)
-    parts = tf.values(p, tiles, v_scale)
-    accs = tuple(a * alpha[:, None] + o for a, o in zip(accs, parts))
-    return accs, m_new, l
-
-  carry = (accs0, m0, l0)
-  carry = lax.fori_loop(j_lo, b, functools.partial(_step_wrap, step, True), carry)
-  carry = lax.fori_loop(b, c, functools.partial(_step_wrap, step, False), carry)
-  carry = lax.fori_loop(c, j_hi, functools.partial(_step_wrap, step, True), carry)
-  accs, _, l = carry
-  inv = 1.0 / jnp.where(l > 0, l, 1.0)
-  for part, acc in enumerate(accs):
-    cols, cmask = _split_cols(tf, part)
-    idx = (jnp.broadcast_to(q_rows[:, None], (st.rows, w)),
-           jnp.broadcast_to(cols[None, :], (st.rows, w)))
-    pltriton.store(o_ref.at[idx], (acc * inv[:, None]).astype(o_ref.dtype),
-                   mask=row_ok[:, None] & cmask[None, :])
-
-
-def split_attention_call(q2d, pages, meta, k_scale_h, v_scale_h, sinks, out_init, *,
-                         st: KernelStatics, tf: TileFormat, cfg: TileConfig, interpret: bool):
-  """Launch :func:`_split_kernel`; as :func:`ragged_attention_call` but the cache comes as
-  pages ``[B, page_elems]`` (a free reshape) and k/v_scale_h are nvfp4's global scales."""
-  if not tf.split:
-    raise ValueError(f"split_attention_call takes int4 / nvfp4 formats, not {tf.kind!r}")
-  kernel = functools.partial(_split_kernel, st=st, tf=tf)
-  args = (*meta, q2d, pages, k_scale_h, v_scale_h, sinks, out_init)
-  params = None if interpret else pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                                          num_stages=cfg.num_stages)
-  return pl.pallas_call(
-      kernel,
-      grid=(st.num_kv_heads, st.num_tiles),
-      out_shape=jax.ShapeDtypeStruct(out_init.shape, out_init.dtype),
-      input_output_aliases={len(args) - 1: 0},
-      compiler_params=params,
-      interpret=interpret,
-      name="kvjax_ragged_paged_attention_split",
+      name="kvjax_ragged_paged_attention" + ("" if tf is None else "_split"),
   )(*args)
