@@ -63,16 +63,11 @@ def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, inter
 
 
 def supports_spec(spec: KVCacheSpec) -> bool:
-  """Every cache dtype (int4 per token-head and nvfp4 through the split-format kernel)."""
-  _check_supported(spec)
-  return True
-
-
-def _check_supported(spec: KVCacheSpec):
-  """Every KVCacheSpec is supported (int4 / nvfp4 caches, even and odd head dims kept apart,
-  through the decode kernel's TileFormat). Raises TypeError for anything but a KVCacheSpec."""
+  """Every KVCacheSpec (int4 / nvfp4 caches, even and odd head dims kept apart, through the
+  decode kernel's TileFormat). Raises TypeError for anything but a KVCacheSpec."""
   if not isinstance(spec, KVCacheSpec):
     raise TypeError(f"spec must be a kvjax.KVCacheSpec, got {type(spec).__name__}")
+  return True
 
 
 def _compute_dtype(q_dtype, spec: KVCacheSpec):
@@ -107,7 +102,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
   """
-  _check_supported(spec)
+  supports_spec(spec)
   t, hq, d = q.shape
   h = spec.num_kv_heads
   if hq % h:
