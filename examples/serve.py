@@ -105,13 +105,12 @@ class ModelConfig:
     return self.num_q_heads * self.head_size
 
 
-def init_params(key, cfg: ModelConfig):
+def init_params(rng, cfg: ModelConfig):
   """Random weights: a dict of ``cfg.dtype`` arrays (matrices scaled by 1/sqrt(fan_in))."""
   dm, hq, h, d = cfg.d_model, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
-  keys = iter(jax.random.split(key, 2 + 7 * cfg.layers))
 
   def w(*shape):
-    return (jax.random.normal(next(keys), shape) / np.sqrt(shape[0])).astype(cfg.dtype)
+    return jnp.asarray(rng.standard_normal(shape, np.float32) / np.sqrt(shape[0]), cfg.dtype)
 
   def ones(n):
     return jnp.ones((n,), cfg.dtype)
@@ -119,7 +118,7 @@ def init_params(key, cfg: ModelConfig):
   layers = [dict(attn_norm=ones(dm), wq=w(dm, hq * d), wk=w(dm, h * d), wv=w(dm, h * d),
                  wo=w(hq * d, dm), mlp_norm=ones(dm), w_gate=w(dm, cfg.ffn),
                  w_up=w(dm, cfg.ffn), w_down=w(cfg.ffn, dm)) for _ in range(cfg.layers)]
-  embed = jax.random.normal(next(keys), (cfg.vocab, dm)).astype(cfg.dtype)
+  embed = jnp.asarray(rng.standard_normal((cfg.vocab, dm), np.float32), cfg.dtype)
   return dict(embed=embed, layers=layers, final_norm=ones(dm), lm_head=w(dm, cfg.vocab))
 
 
@@ -231,7 +230,7 @@ def make_requests(rng, args, vocab):
 
 
 class Engine:
-  """Continuous batching over one paged cache per layer (host side: numpy only)."""
+  """Continuous batching: the host schedules and pages in numpy, the jitted step computes."""
 
   def __init__(self, args, cfg: ModelConfig, spec, shapes: StepShapes, params, step_fn, scales):
     self.args, self.cfg, self.spec, self.shapes = args, cfg, spec, shapes
@@ -251,7 +250,7 @@ class Engine:
     """(request, new tokens) pairs: a decode for each request past its prompt, then chunks."""
     plan, budget = [], self.token_budget
     for r in running:                              # decodes first: one token each
-      if len(r.tokens) - r.num_cached == 1 and r.generated:
+      if r.generated:                              # past its prompt: one token is pending
         plan.append((r, 1))
         budget -= 1
     for r in running:                              # then prompt chunks, oldest first
@@ -367,9 +366,13 @@ def main(argv=None):
                            block_size=16, cache_dtype=args.cache_dtype, layout=args.layout,
                            dtype=cfg.dtype)
   max_len = args.max_prompt + args.max_new
-  # Mixed steps pad T to 16, 32, ... up to the budget; the longest query to 16 or the chunk.
-  token_buckets = sorted({min(16 << i, args.max_tokens)
-                          for i in range(max(1, (args.max_tokens - 1) // 16).bit_length() + 1)})
+  # Mixed steps pad T to 16, 32, 64, ... and the step budget; the longest query to 16 or the
+  # chunk size. Decode-only steps have their own shape: T = max_seqs, max_query_len = 1.
+  token_buckets, b = [], 16
+  while b < args.max_tokens:
+    token_buckets.append(b)
+    b *= 2
+  token_buckets.append(args.max_tokens)
   chunk = min(args.chunk, args.max_tokens)
   shapes = StepShapes(block_size=spec.block_size, max_seqs=args.max_seqs,
                       max_blocks_per_seq=blocks_for(max_len, spec.block_size),
@@ -383,7 +386,7 @@ def main(argv=None):
     s = jnp.float32(TENSOR_SCALES.get(args.cache_dtype, DEFAULT_TENSOR_SCALE))
     scales = dict(k_scale=s, v_scale=s)
   interpret = True if args.interpret else None
-  params = init_params(jax.random.PRNGKey(args.seed), cfg)
+  params = init_params(rng, cfg)
   step_fn, traced = make_step(cfg, spec, impl=args.impl, interpret=interpret)
   engine = Engine(args, cfg, spec, shapes, params, step_fn, scales)
   requests = make_requests(rng, args, cfg.vocab)

@@ -61,7 +61,10 @@ class BlockAllocator:
     return len(self._free)
 
   def allocate(self, n: int) -> np.ndarray:
-    """``n`` free page ids as int32 ``[n]``; :class:`OutOfBlocksError` (nothing taken) if fewer are free."""
+    """``n`` free page ids, int32 ``[n]``.
+
+    Raises :class:`OutOfBlocksError` (taking nothing) when fewer than ``n`` are free.
+    """
     n = _count("n", n)
     if n > len(self._free):
       raise OutOfBlocksError(
@@ -72,7 +75,10 @@ class BlockAllocator:
     return np.asarray(ids, np.int32)
 
   def free(self, blocks) -> None:
-    """Return pages (int ``[n]``) to the free list; ValueError (nothing freed) for an id not in use."""
+    """Return pages (int ``[n]``) to the free list.
+
+    Raises ValueError (freeing nothing) for an id out of range, repeated or not in use.
+    """
     ids = np.asarray(blocks).reshape(-1)
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
       raise TypeError(f"blocks must be integer page ids, got dtype {ids.dtype}")
@@ -307,7 +313,7 @@ def build_step_metadata(shapes: StepShapes, block_lists: Sequence, num_cached: S
 
 
 def slot_mapping(block_table, seq_ids, positions, *, block_size: int):
-  """Cache slot of each token: ``block_table[seq, pos // block_size] * block_size + pos % block_size``.
+  """Cache slot of each token: ``block_table[seq, pos // bs] * bs + pos % bs`` (bs = block_size).
 
   Args:
     block_table: int ``[S, max_blocks]``.
@@ -320,7 +326,8 @@ def slot_mapping(block_table, seq_ids, positions, *, block_size: int):
   With numpy arrays it runs in numpy (host, no device work); with jax arrays or
   under ``jax.jit`` in jnp, e.g. to advance decode positions on the device.
 
-  >>> slot_mapping(np.array([[3, 1]]), np.array([0, 0, -1]), np.array([15, 16, 0]), block_size=16).tolist()
+  >>> table, seq_ids, pos = np.array([[3, 1]]), np.array([0, 0, -1]), np.array([15, 16, 0])
+  >>> slot_mapping(table, seq_ids, pos, block_size=16).tolist()
   [63, 16, -1]
   """
   block_table, seq_ids, positions = (x if hasattr(x, "ndim") else np.asarray(x)

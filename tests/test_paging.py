@@ -29,7 +29,8 @@ def test_allocator_against_a_set(rng):
     else:
       k = int(rng.integers(0, 6))
       if k > n - len(used):
-        with pytest.raises(OutOfBlocksError, match=rf"allocate\({k}\): only {n - len(used)} of {n}"):
+        msg = rf"allocate\({k}\): only {n - len(used)} of {n} pages are free"
+        with pytest.raises(OutOfBlocksError, match=msg):
           alloc.allocate(k)
       else:
         ids = alloc.allocate(k)
