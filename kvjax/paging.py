@@ -218,7 +218,9 @@ def _bucket(name, n, buckets) -> int:
 class StepMetadata:
   """One ragged step's metadata, padded to a :class:`StepShapes`; numpy int32 arrays.
 
-  With T the token bucket and S = ``max_seqs``:
+  With T the token bucket (``max_seqs`` for a pure decode step) and S = ``max_seqs``.
+  Hand :meth:`arrays` to a jitted step as traced arguments and ``max_query_len`` as a
+  static one: steps of equal (T, max_query_len) reuse one compiled program.
 
   Attributes:
     query_start_loc: ``[S+1]``: sequence s's new tokens are rows
