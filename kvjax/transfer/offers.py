@@ -19,6 +19,7 @@ import heapq
 import itertools
 import math
 import secrets
+import string
 import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -35,15 +36,15 @@ def new_token() -> str:
 
 
 def check_token(token) -> int:
-  """The integer value of a token; ``ValueError`` (without echoing it) when malformed."""
-  if not isinstance(token, str) or len(token) != TOKEN_HEX_DIGITS:
-    raise ValueError(f"token must be a string of {TOKEN_HEX_DIGITS} hex digits (Offer.token), got "
-                     f"a {type(token).__name__} of length {len(token) if hasattr(token, '__len__') else '-'}")
-  try:
-    return int(token, 16)
-  except ValueError:
-    raise ValueError(f"token must be {TOKEN_HEX_DIGITS} hex digits (Offer.token); it has other "
-                     "characters") from None
+  """The integer value of a token; ``ValueError`` (that does not echo it) when malformed."""
+  want = f"token must be a string of {TOKEN_HEX_DIGITS} hex digits (Offer.token)"
+  if not isinstance(token, str):
+    raise ValueError(f"{want}, got a {type(token).__name__}")
+  if len(token) != TOKEN_HEX_DIGITS:
+    raise ValueError(f"{want}, got a string of length {len(token)}")
+  if not all(c in string.hexdigits for c in token):
+    raise ValueError(f"{want}; it has other characters")
+  return int(token, 16)
 
 
 def transfer_id(token: str, rank: int) -> int:

@@ -140,10 +140,10 @@ def offer_request(server, prefill_caches: Sequence[jax.Array], block_ids, *,
   ttl_s = _check_seconds("ttl_s", ttl_s)
   if not prefill_caches:
     raise ValueError("prefill_caches must be non-empty")
+  if np.size(block_ids) == 0:
+    raise ValueError("block_ids must name at least one block")
   ids = PL._check_block_ids("block_ids", block_ids,
                             min(int(c.shape[0]) for c in prefill_caches))
-  if ids.size == 0:
-    raise ValueError("block_ids must name at least one block")
   ranks = range(len(prefill_caches)) if ranks is None else ranks
   arrays = {}
   for s in ranks:
@@ -198,7 +198,7 @@ def _await_pulls(conn, arrays: Dict[int, jax.Array], deadline: float, address: s
           "expired, released, already pulled, or another token); decode caches are untouched")
     if pending:
       time.sleep(min(delay, left))
-      delay = min(2 * delay, 5e-3)
+      delay = min(2 * delay, 1e-3)
 
 
 def pull_request(server, address: str, decode_caches: Sequence[jax.Array], spec, dst_block_ids,
@@ -233,9 +233,9 @@ def pull_request(server, address: str, decode_caches: Sequence[jax.Array], spec,
     raise ValueError("decode_caches must be non-empty")
   rspec = spec if mla else T.remote_spec(spec, remote_tp_size, total_num_kv_heads)
   E.check_rank_caches("decode", decode_caches, spec)
-  dst = E._check_block_ids_distinct(dst_block_ids, decode_caches[0].shape[0])
-  if dst.size == 0:
+  if np.size(dst_block_ids) == 0:
     raise ValueError("dst_block_ids must name at least one block")
+  dst = E._check_block_ids_distinct(dst_block_ids, decode_caches[0].shape[0])
   plans = [E.rank_plan(spec, tp_rank=r, tp_size=d, remote_tp_size=remote_tp_size,
                        total_num_kv_heads=total_num_kv_heads, is_mla=mla) for r in range(d)]
   conn = server.connect(address)
