@@ -40,8 +40,14 @@ def supports_write(spec) -> str | None:
   return unsupported_reason(spec)
 
 
-def interpret_params(interpret: bool):
-  """``pallas_call``'s ``interpret`` argument: TPU interpret mode on CPU, or the TPU lowering."""
+def interpret_params(interpret):
+  """``pallas_call``'s ``interpret`` argument: TPU interpret mode on CPU, or the TPU lowering.
+
+  ``interpret`` is a bool, or a ``pltpu.InterpretParams`` to pass through (e.g. with
+  ``detect_races=True``).
+  """
+  if isinstance(interpret, pltpu.InterpretParams):
+    return interpret
   return pltpu.InterpretParams() if interpret else False
 
 
