@@ -1,8 +1,9 @@
 """Mosaic TPU kernels (pallas_kernels.mosaic_tpu) vs kvjax.reference, in TPU interpret mode.
 
-No TPU here: the kernels run on CPU with ``interpret=True`` (DMAs, semaphores, VMEM and SMEM
-simulated), and ``jax.export`` with ``platforms=["tpu"]`` runs their Pallas-to-Mosaic
-lowering (the compile after that needs a TPU).
+On CPU the kernels run with ``interpret=True`` (TPU interpret mode: DMAs, semaphores, VMEM
+and SMEM simulated), and ``jax.export`` with ``platforms=["tpu"]`` runs their Pallas-to-Mosaic
+lowering (the compile after that needs a TPU). On a TPU (``JAX_PLATFORMS=tpu``) the same cases
+run compiled.
 
 Writes: bit-identical bytes to the jitted reference on poisoned caches, padding (-1) and
 out-of-range slots mixed in, every byte not named by a slot unchanged. Attention: ragged
@@ -27,6 +28,8 @@ from kv_testing import as_bytes, poisoned_cache, random_kv
 import pallas_kernels.mosaic_tpu as mt
 
 NUM_BLOCKS = 4
+#: Interpret on CPU; compile on a TPU.
+INTERPRET = jax.default_backend() != "tpu"
 _ref_write = jax.jit(ref_cache.write_kv, static_argnums=4)
 
 
@@ -66,7 +69,8 @@ def test_write_bytes_equal_reference_and_nothing_else_touched(rng, case):
   key, value = random_kv(rng, spec, t + 2)           # 2 tokens past len(slots): ignored
   ks, vs = _scales(rng, spec, per_head)
 
-  write = jax.jit(functools.partial(mt.write_kv, spec=spec, interpret=True), donate_argnums=0)
+  write = jax.jit(functools.partial(mt.write_kv, spec=spec, interpret=INTERPRET),
+                  donate_argnums=0)
   out = write(cache, key, value, slots, k_scale=ks, v_scale=vs)
   assert cache.is_deleted(), "the donated cache must be aliased to the output"
   want = as_bytes(_ref_write(jnp.asarray(before.view(spec.storage_dtype).reshape(out.shape)),
@@ -91,7 +95,7 @@ def test_write_of_only_skipped_slots_changes_nothing(rng):
   cache = poisoned_cache(rng, spec, NUM_BLOCKS)
   key, value = random_kv(rng, spec, 3)
   slots = jnp.asarray([-1, NUM_BLOCKS * 16, -5], jnp.int32)
-  out = mt.write_kv(cache, key, value, slots, spec, interpret=True)
+  out = mt.write_kv(cache, key, value, slots, spec, interpret=INTERPRET)
   np.testing.assert_array_equal(as_bytes(out), as_bytes(cache))
 
 
@@ -138,7 +142,8 @@ def _close(o, r, dtype):
   np.testing.assert_allclose(o, r, atol=tol, rtol=tol)
 
 
-def _run_both(rng, spec, group, *, k_scale=None, v_scale=None, batch=None, interpret=True, **kw):
+def _run_both(rng, spec, group, *, k_scale=None, v_scale=None, batch=None, interpret=INTERPRET,
+              **kw):
   hq = spec.num_kv_heads * group
   q, cache, qsl, sl, bt = batch or _poisoned_batch(rng, spec, hq, k_scale=k_scale,
                                                     v_scale=v_scale)
@@ -206,6 +211,8 @@ def test_decode_batch_matches_reference(rng, layout, cache_dtype, group):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_no_dma_races(rng, layout):
   """TPU interpret mode's race detector sees no unsynchronized DMA / VMEM access."""
+  if not INTERPRET:
+    pytest.skip("the race detector is part of TPU interpret mode")
   ipc = pytest.importorskip("jax._src.pallas.mosaic.interpret.interpret_pallas_call")
   if not hasattr(ipc, "races"):
     pytest.skip("this jax keeps the race detector's state elsewhere")

@@ -18,6 +18,7 @@ import numpy as np
 from kvjax import formats as F
 from kvjax import quant
 from kvjax.spec import KVCacheSpec
+from pallas_kernels import cache_update_math as M
 
 #: Cache dtypes both kernels handle.
 SUPPORTED_CACHE_DTYPES = tuple(name for name, fmt in F.CACHE_FORMATS.items()
@@ -25,7 +26,6 @@ SUPPORTED_CACHE_DTYPES = tuple(name for name, fmt in F.CACHE_FORMATS.items()
                                or (fmt.kind == F.PER_TOKEN_HEAD and fmt.quant != "int4"))
 #: Query (model) dtypes the attention kernel takes.
 SUPPORTED_Q_DTYPES = F.MODEL_DTYPES
-_U32 = jnp.uint32
 
 
 def unsupported_reason(spec) -> str | None:
@@ -80,7 +80,8 @@ class RowCodec:
     data: ``[..., D]`` in the storage dtype. recip: fp8 per-tensor ``1 / scale``,
     broadcastable to x (computed outside the kernel exactly as the reference does).
     Per-token-head also returns the row scale as 4 storage elements ``[..., 4]``.
-    Same arithmetic as :mod:`kvjax.quant` (every cast goes through float32).
+    The arithmetic of :mod:`kvjax.quant`, bit for bit, spelled with the kernel-safe helpers of
+    :mod:`pallas_kernels.cache_update_math` (no ``jnp.sign``, every cast through float32).
     """
     x = x.astype(jnp.float32)
     if self.kind == F.PLAIN:
@@ -92,8 +93,7 @@ class RowCodec:
     scale = jnp.maximum(amax * (np.float32(1.0) / np.float32(self.qmax)), quant.SCALE_EPS)
     y = x * (1.0 / scale)
     if self.quant == np.dtype(np.int8):
-      r = jnp.floor(jnp.abs(y) + 0.5)
-      data = jnp.clip(jnp.where(y < 0, -r, r), -128, 127).astype(jnp.int32).astype(jnp.int8)
+      data = jnp.clip(M.round_half_away(y), -128, 127).astype(jnp.int32).astype(jnp.int8)
     else:
       q = jnp.clip(y, -self.qmax, self.qmax).astype(self.quant)
       data = jax.lax.bitcast_convert_type(q, jnp.uint8)
@@ -101,11 +101,7 @@ class RowCodec:
 
   def _scale_bytes(self, scale):
     """float32 ``[..., 1]`` -> its 4 little-endian bytes ``[..., 4]`` as storage elements."""
-    bits = jax.lax.bitcast_convert_type(scale, _U32)
-    shift = jax.lax.broadcasted_iota(_U32, bits.shape[:-1] + (4,), bits.ndim - 1) * _U32(8)
-    out = ((bits >> shift) & _U32(0xFF)).astype(jnp.uint8)
-    return out if self.storage == np.dtype(np.uint8) else jax.lax.bitcast_convert_type(
-        out, self.storage)
+    return M.from_u8(M.f32_to_bytes(scale[..., 0]), self.storage)
 
   # -- attention: storage elements -> values the MXU takes --------------------------------
   def decode_side(self, data, scale_bytes, dtype):
@@ -126,7 +122,7 @@ class RowCodec:
 
   @staticmethod
   def _scale_from_bytes(raw):
-    """``[..., 4]`` 8-bit storage elements -> float32 ``[..., 1]``."""
-    b = raw.astype(jnp.int32) & 0xFF
-    bits = (b[..., 0:1] | (b[..., 1:2] << 8) | (b[..., 2:3] << 16) | (b[..., 3:4] << 24))
+    """``[..., 4]`` 8-bit storage elements (little endian) -> float32 ``[..., 1]``."""
+    b = M.to_u8(raw)
+    bits = M.bytes_to_u32(b[..., 0:1], b[..., 1:2], b[..., 2:3], b[..., 3:4])
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
