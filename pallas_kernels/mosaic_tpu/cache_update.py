@@ -30,6 +30,7 @@ from kvjax import formats as F
 from kvjax import quant
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.mosaic_tpu.codec import RowCodec, unsupported_reason
+from pallas_kernels.mosaic_tpu.interpret import interpret_params
 
 #: Tokens per grid step.
 TOKENS_PER_STEP = 8
@@ -38,17 +39,6 @@ TOKENS_PER_STEP = 8
 def supports_write(spec) -> str | None:
   """None when :func:`write_kv` handles ``spec``, else a one-line reason."""
   return unsupported_reason(spec)
-
-
-def interpret_params(interpret):
-  """``pallas_call``'s ``interpret`` argument: TPU interpret mode on CPU, or the TPU lowering.
-
-  ``interpret`` is a bool, or a ``pltpu.InterpretParams`` to pass through (e.g. with
-  ``detect_races=True``).
-  """
-  if isinstance(interpret, pltpu.InterpretParams):
-    return interpret
-  return pltpu.InterpretParams() if interpret else False
 
 
 def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None, v_scale=None,
@@ -60,7 +50,8 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
     key, value: ``[T', H, D]`` in ``spec.dtype``, ``T' >= T``; only the first T are written.
     slot_mapping: int32 ``[T]``; a negative slot or one ``>= B * N`` writes nothing.
     k_scale, v_scale: fp8 per-tensor scales, None or float32 scalar / ``[H]``.
-    interpret: run in TPU interpret mode (CPU) instead of compiling for a TPU.
+    interpret: True runs in TPU interpret mode (CPU), False compiles for a TPU; see
+      :func:`pallas_kernels.mosaic_tpu.interpret.interpret_params`.
   """
   reason = supports_write(spec)
   if reason is not None:

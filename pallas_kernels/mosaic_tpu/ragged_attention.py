@@ -31,8 +31,8 @@ from jax.experimental.pallas import tpu as pltpu
 from kvjax import formats as F
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.mosaic_tpu import tiles as TL
-from pallas_kernels.mosaic_tpu.cache_update import interpret_params
 from pallas_kernels.mosaic_tpu.codec import SUPPORTED_Q_DTYPES, RowCodec, unsupported_reason
+from pallas_kernels.mosaic_tpu.interpret import interpret_params
 
 _LANES = 128
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -65,7 +65,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     scale, causal, sliding_window, soft_cap: static options. sinks: float32 ``[Hq]`` or None.
     k_scale, v_scale: fp8 per-tensor scales, None or float32 scalar / ``[H]``.
     max_query_len: static bound on any sequence's query length (None = T).
-    interpret: run in TPU interpret mode (CPU) instead of compiling for a TPU.
+    interpret: True runs in TPU interpret mode (CPU), False compiles for a TPU; see
+      :func:`pallas_kernels.mosaic_tpu.interpret.interpret_params`.
   Returns:
     ``[T, Hq, D]`` in q's dtype.
   """
