@@ -172,21 +172,12 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: 
   def _():
     fetch(step_lo, 0, start=True)
 
-  def body(step, carry):
-    slot = jax.lax.rem(step - step_lo, 2)
-
-    @pl.when(step + 1 < step_hi)
-    def _():
-      fetch(step + 1, 1 - slot, start=True)
-
-    fetch(step, slot, start=False)
-    _attend_step(step * kvs, slot)
-    return carry
-
-  def _attend_step(key0, slot):
+  def attend_step(key0, slot):
+    """Online-softmax update of every KV head with the keys of buffer half ``slot``."""
     row = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_n, kvs), 0), g)
     key = key0 + jax.lax.broadcasted_iota(jnp.int32, (rows_n, kvs), 1)
     pos = pos0 + row
+    # keys outside [kv_lo, kv_hi) are in pages that were not fetched (stale buffer bytes)
     mask = (row < real_rows) & (key >= kv_lo) & (key < kv_hi) & (key < kv_len)
     if causal:
       mask &= key <= pos
@@ -217,6 +208,17 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: 
         pv = pv * scales_ref[1, hh]
       acc_ref[hh] = acc_ref[hh] * alpha[:, :1] + pv
       m_ref[hh] = m_next
+
+  def body(step, carry):
+    slot = jax.lax.rem(step - step_lo, 2)
+
+    @pl.when(step + 1 < step_hi)
+    def _():
+      fetch(step + 1, 1 - slot, start=True)
+
+    fetch(step, slot, start=False)
+    attend_step(step * kvs, slot)
+    return carry
 
   jax.lax.fori_loop(step_lo, step_hi, body, 0)
 
