@@ -18,7 +18,8 @@ def test_hadamard_equals_sylvester_matrix(rng, d):
   got = np.asarray(rotation.hadamard(x), np.float64)
   want = x.astype(np.float64) @ _sylvester(d)
   scale = np.abs(x).sum(-1, keepdims=True)          # bound on every partial sum
-  np.testing.assert_array_less(np.abs(got - want), 4 * np.log2(d) * 2**-24 * scale + 1e-30)
+  bound = np.broadcast_to(4 * np.log2(d) * 2**-24 * scale, got.shape)
+  np.testing.assert_array_less(np.abs(got - want), bound)
 
 
 @pytest.mark.parametrize("d", [32, 128])
