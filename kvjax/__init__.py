@@ -25,3 +25,9 @@ __all__ = [
     "token_major", "reference", "transfer", "sharding", "cache_sharding", "sharded_write_kv",
     "sharded_unified_attention", "plan_reads", "transfer_blocks",
 ]
+
+from kvjax import paging  # noqa: E402
+from kvjax.paging import (BlockAllocator, BlockTables, OutOfBlocksError, StepMetadata,  # noqa: E402
+                          StepShapes, build_step_metadata, slot_mapping)
+__all__ += ["paging", "BlockAllocator", "BlockTables", "OutOfBlocksError", "StepShapes",
+            "StepMetadata", "build_step_metadata", "slot_mapping"]
