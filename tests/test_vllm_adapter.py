@@ -107,15 +107,15 @@ def _schedule(rng):
   return table, np.array(history, np.int64), np.array(step, np.int64)
 
 
-def _common_metadata(table, step_slots):
+def _common_metadata(table, step_slots, seqs=SEQS):
   """A stand-in for vLLM's CommonAttentionMetadata of the step (slot mapping padded by -1)."""
-  qsl = np.concatenate([[0], np.cumsum([new for _, new in SEQS])]).astype(np.int32)
-  seq_lens = np.array([c + n for c, n in SEQS], np.int32)
+  qsl = np.concatenate([[0], np.cumsum([new for _, new in seqs])]).astype(np.int32)
+  seq_lens = np.array([c + n for c, n in seqs], np.int32)
   slots = np.concatenate([step_slots, -np.ones(PAD, np.int64)])
   return types.SimpleNamespace(
       query_start_loc=torch.from_numpy(qsl), query_start_loc_cpu=torch.from_numpy(qsl),
-      seq_lens=torch.from_numpy(seq_lens), num_reqs=len(SEQS), num_actual_tokens=int(qsl[-1]),
-      max_query_len=max(n for _, n in SEQS), max_seq_len=int(seq_lens.max()),
+      seq_lens=torch.from_numpy(seq_lens), num_reqs=len(seqs), num_actual_tokens=int(qsl[-1]),
+      max_query_len=max(n for _, n in seqs), max_seq_len=int(seq_lens.max()),
       block_table_tensor=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots),
       causal=True)
 
@@ -314,6 +314,35 @@ def test_zero_actual_tokens_writes_nothing(rng):
   impl.forward(FakeLayer(), q, None, None, kv_cache, dataclasses.replace(md, num_actual_tokens=0),
                output=out)
   assert torch.equal(out.view(torch.int16), out_before.view(torch.int16))
+
+
+def test_padded_steps_compile_per_padded_size_not_per_actual_count(rng):
+  impl = va.KVJaxAttentionImpl(HQ, D, D ** -0.5, H, None, None, "auto")
+  kv_cache = _vllm_allocate(va.KVJaxAttentionBackend, _spec("auto", "NHD"), rng)
+  table, _, step_slots = _schedule(rng)
+  build = va.KVJaxAttentionMetadataBuilder(None, [], None, "cpu").build
+  t = sum(n for _, n in SEQS) + PAD           # one padded size (a CUDA-graph size in vLLM)
+  q = _bf16(rng, (t, HQ, D))
+  compiles = []
+
+  def listener(event, duration_secs, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    counts = []
+    for seqs in (SEQS, [(20, 12), (33, 1), (0, 5), (47, 1)], [(21, 11), (34, 1), (1, 6), (46, 1)]):
+      md = build(0, _common_metadata(table, step_slots, seqs))
+      out = _bf16(rng, (t, HQ, D))
+      out_before = out.clone()
+      impl.forward(FakeLayer(), q, None, None, kv_cache, md, output=out)
+      n = md.num_actual_tokens
+      assert torch.equal(out[n:].view(torch.int16), out_before[n:].view(torch.int16))
+      counts.append(len(compiles))
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert counts[0] >= 1                       # the listener sees compilations at all
+  assert counts[2] == counts[0], counts       # 22, 19 and 19 real tokens: one program
 
 
 # -- refusals ---------------------------------------------------------------------------------

@@ -189,9 +189,10 @@ class KVJaxAttentionImpl:
     """Attention of ``query`` ``[T, Hq, D]`` over ``kv_cache``, written into ``output``.
 
     ``output``: ``[T, Hq, D]`` or ``[T, Hq*D]`` in the model dtype (required). Rows
-    ``[:num_actual_tokens]`` get the result; the others keep their bytes. ``key`` /
-    ``value`` are not used (the cache was written by ``do_kv_cache_update``).
-    Returns ``output``.
+    ``[:num_actual_tokens]`` get the result; the others keep their bytes (when there are
+    such padding rows, the result passes through a scratch ``[T, ...]`` buffer: one extra
+    allocation and copy). ``key`` / ``value`` are not used (the cache was written by
+    ``do_kv_cache_update``). Returns ``output``.
     """
     if output_scale is not None or output_block_scale is not None:
       raise NotImplementedError("output_scale / output_block_scale: fused output quantization "
@@ -211,11 +212,15 @@ class KVJaxAttentionImpl:
       return output
     k_scale, v_scale = _layer_scales(layer)
     backend = self._backend(kv_cache, query.dtype)
-    if n == query.shape[0] == output.shape[0]:
+    if n == output.shape[0]:
       backend.forward(query, kv_cache, attn_metadata, output, k_scale=k_scale, v_scale=v_scale)
-    else:
-      backend.forward(query[:n], kv_cache, attn_metadata, output[:n], k_scale=k_scale,
-                      v_scale=v_scale)
+      return output
+    # A padded step: attend with every row, so programs are compiled per padded size (vLLM's
+    # few CUDA-graph sizes) rather than per actual count; the backend zeroes rows past the
+    # last query, so the result goes through a scratch buffer and only real rows are copied.
+    full = torch.empty_like(output)
+    backend.forward(query, kv_cache, attn_metadata, full, k_scale=k_scale, v_scale=v_scale)
+    output[:n].copy_(full[:n])
     return output
 
   def fused_output_quant_supported(self, quant_key) -> bool:
