@@ -6,6 +6,7 @@ metadata comes from the builder fed a stand-in for vLLM's CommonAttentionMetadat
 results are checked against kvjax's reference on the very same bytes.
 """
 import dataclasses
+import enum
 import sys
 import types
 
@@ -159,6 +160,10 @@ def test_static_methods_answer_as_kvjax():
   assert be.get_impl_cls() is va.KVJaxAttentionImpl
   assert be.get_builder_cls() is va.KVJaxAttentionMetadataBuilder
   assert be.accept_output_buffer and not be.forward_includes_kv_cache_update
+  impl = be.get_impl_cls()(HQ, D, 0.125, H, None, None, "fp8", None, "decoder", None)
+  assert (impl.num_heads, impl.head_size, impl.num_kv_heads, impl.scale) == (HQ, D, H, 0.125)
+  assert not impl.supports_quant_query_input and not impl.fused_output_quant_supported(None)
+  assert impl.process_weights_after_loading(torch.bfloat16) is None
   with pytest.raises(ValueError, match="block_size"):
     be.get_kv_cache_shape(4, 24, 2, 64)
   with pytest.raises(ValueError, match="head_size"):
@@ -352,8 +357,13 @@ def test_unsupported_arguments_are_refused_by_name(rng):
     make(HQ, D, 1.0, H, [0.5] * HQ, None, "auto")
   with pytest.raises(NotImplementedError, match="alibi"):
     make(HQ, D, 1.0, H, None, None, "auto", use_alibi_sqrt=True)
+  attention_type = enum.Enum("AttentionType", {"DECODER": "decoder", "ENCODER": "encoder"},
+                             type=str)             # vLLM's str enum
+  assert make(HQ, D, 1.0, H, None, None, "auto", attn_type=attention_type.DECODER).attn_type
   with pytest.raises(NotImplementedError, match="attn_type='encoder'"):
-    make(HQ, D, 1.0, H, None, None, "auto", attn_type="encoder")
+    make(HQ, D, 1.0, H, None, None, "auto", attn_type=attention_type.ENCODER)
+  with pytest.raises(NotImplementedError, match="attn_type='encoder_only'"):
+    make(HQ, D, 1.0, H, None, None, "auto", attn_type="encoder_only")
   with pytest.raises(ValueError, match="cache_dtype='fp4_bogus'"):
     make(HQ, D, 1.0, H, None, None, "fp4_bogus")
   with pytest.raises(ValueError, match="num_heads=3"):

@@ -132,7 +132,8 @@ class KVJaxAttentionImpl:
       raise NotImplementedError("alibi_slopes / use_alibi_sqrt: ALiBi is not supported by "
                                 "kvjax attention (pass alibi_slopes=None)")
     if attn_type != DECODER:
-      raise NotImplementedError(f"attn_type={str(attn_type)!r}: only decoder self-attention "
+      raise NotImplementedError(f"attn_type={getattr(attn_type, 'value', attn_type)!r}: only "
+                                f"decoder self-attention "
                                 f"({DECODER!r}) runs on the paged cache")
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     kvjax.get_kv_cache_shape(1, 16, num_kv_heads, head_size, kv_cache_dtype)  # ValueError early
@@ -156,8 +157,8 @@ class KVJaxAttentionImpl:
       shape = tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else None
       raise ValueError(f"kv_cache must be one layer's 4-D logical cache tensor (B, H, N, C), "
                        f"got {type(kv_cache).__name__} of shape {shape}")
-    # logical (B, H, N, C): in NHD memory a token row (N) strides over all heads, in HND a
-    # head strides over all its tokens; with one head both read the same bytes.
+    # logical (B, H, N, C): NHD memory holds each token's heads side by side (the N stride is
+    # the larger), HND each head's tokens (the H stride is); with one head the bytes agree.
     layout = "HND" if kv_cache.stride(1) > kv_cache.stride(2) else "NHD"
     key = (kv_cache.shape[2], layout, dtype)
     backend = self._backends.get(key)
