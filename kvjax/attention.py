@@ -25,7 +25,7 @@ def check_attention_args(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens,
   if all(v is not None for v in values):
     V.check_attention_metadata(*values, num_tokens=q.shape[0], num_blocks=cache.shape[0],
                                block_size=spec.block_size, max_query_len=max_query_len)
-  return qsl, sl, bt
+  return tuple(V.as_jax_int32(x) for x in (qsl, sl, bt))
 
 
 def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,

@@ -62,11 +62,14 @@ def check_array(name: str, x, what: str = "array"):
 def check_int_array(name: str, x, ndim: int):
   """An integer array of ``ndim`` dims: jax/numpy arrays as given, lists read as numpy."""
   if isinstance(x, (list, tuple)):
-    try:
-      arr = np.asarray(x)
-    except ValueError as e:
-      raise ValueError(f"{name} must be a rectangular list of ints: {e}") from None
-    x = arr.astype(np.int32) if arr.size == 0 else arr
+    if not all(is_concrete(leaf) for leaf in jax.tree_util.tree_leaves(x)):
+      x = jnp.asarray(x)        # a list passed through jit: its leaves are traced
+    else:
+      try:
+        arr = np.asarray(x)
+      except ValueError as e:
+        raise ValueError(f"{name} must be a rectangular list of ints: {e}") from None
+      x = arr.astype(np.int32) if arr.size == 0 else arr
   elif not isinstance(x, _ARRAYS):
     raise TypeError(f"{name} must be an integer jax.Array, numpy array or list of ints, got "
                     f"{_what(x)}")
@@ -92,6 +95,12 @@ def saturate_int32(x):
   if info.min < _I32.min:
     x = xp.maximum(x, dt.type(_I32.min))
   return x.astype(np.int32)
+
+
+def as_jax_int32(x):
+  """A checked integer array for the kernels: numpy (or list) values become an int32
+  ``jax.Array`` (saturated, never wrapped); jax arrays and tracers pass unchanged."""
+  return jnp.asarray(saturate_int32(x)) if isinstance(x, np.ndarray) else x
 
 
 def check_cache(spec: KVCacheSpec, cache) -> int:
@@ -145,9 +154,7 @@ def check_slots(slot_mapping, num_slots: int, name: str = "slot_mapping",
   vals = host_values(x)
   if vals is not None:
     check_slot_values(name, vals, num_slots, negative_ok)
-    if isinstance(x, np.ndarray):
-      return jnp.asarray(saturate_int32(vals))
-  return saturate_int32(x)
+  return saturate_int32(as_jax_int32(x))
 
 
 def _check_scale_type(name: str, s):
@@ -164,8 +171,8 @@ def _check_scale_type(name: str, s):
 
 def _bad_entry(name: str, values: np.ndarray, bad: np.ndarray) -> str:
   """``name = v`` for a scalar, ``name[i] = v`` for the first bad entry of an array."""
-  if values.ndim == 0:
-    return f"{name} = {values.item()}"
+  if values.size == 1:
+    return f"{name} = {values.reshape(()).item()}"
   i = int(np.flatnonzero(bad.reshape(-1))[0])
   return f"{name}[{i}] = {values.reshape(-1)[i]}"
 
