@@ -89,7 +89,7 @@ class PagedAttentionBackend:
       raise ValueError(f"crossing_mode={crossing_mode!r} must be one of {interop.MODES}")
     if output_mode not in ("copy", "donate"):
       raise ValueError(f"output_mode={output_mode!r} must be 'copy' or 'donate'")
-    kvjax.dispatch.check_impl(impl)
+    kvjax.validation.check_impl(impl)
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
       raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     kvjax.validation.check_soft_cap(soft_cap)
@@ -116,7 +116,7 @@ class PagedAttentionBackend:
     self._caches = {}        # cache tensor key -> storage-typed physical tensor
     self._inplace_checked = set()
     self._consts = {}        # (device, value) -> JAX scalar / sinks array
-    self._attn = {}          # (max_query_len bucket, causal, cuda) -> jitted fn
+    self._attn = {}          # (max_query_len bucket, causal, donate, cuda) -> jitted fn
     self._write = {}         # cuda -> jitted fn
 
   # -- vLLM's static layout API --------------------------------------------------------------
@@ -178,6 +178,15 @@ class PagedAttentionBackend:
       raise ValueError(f"{name} must be [T, {heads}, {d}] (or [T, {heads * d}]), got "
                        f"{tuple(x.shape)}")
     return x
+
+  def _impl(self, cx):
+    """(impl, interpret) for tensors on ``cx``'s device. CPU tensors never take compiled
+    Pallas, even on a machine whose default JAX backend is a GPU (JAX runs Pallas on the
+    CPU only in interpret mode): "auto" is the reference there, interpret defaults on."""
+    if cx.is_cuda:
+      return self.impl, self.interpret
+    return ("reference" if self.impl == "auto" else self.impl,
+            True if self.interpret is None else self.interpret)
 
   def _const(self, cx, value):
     key = (cx.device, value)
@@ -249,8 +258,7 @@ class PagedAttentionBackend:
     cache = cx.view(phys)
     fn = self._write.get(cx.is_cuda)
     if fn is None:
-      fn = self._write[cx.is_cuda] = jitted.write_fn(self.spec, self.impl, self.interpret,
-                                                     cx.is_cuda)
+      fn = self._write[cx.is_cuda] = jitted.write_fn(self.spec, *self._impl(cx), cx.is_cuda)
     new = fn(cache, k, v, slots, ks, vs)
     if not cx.is_cuda:
       self._copy_back(cx, phys, new)
@@ -290,12 +298,12 @@ class PagedAttentionBackend:
     ks, vs = self._scales(cx, k_scale, v_scale)
     mql = jitted.query_len_bucket(metadata.max_query_len, q.shape[0])
     donate = cx.is_cuda and self.output_mode == "donate" and out.is_contiguous()
-    fkey = (mql, metadata.causal, donate)
+    fkey = (mql, metadata.causal, donate, cx.is_cuda)
     fn = self._attn.get(fkey)
     if fn is None:
       fn = self._attn[fkey] = jitted.attention_fn(
           self.spec, self.scale, metadata.causal, self.sliding_window, self.soft_cap, mql,
-          self.impl, self.interpret, donate)
+          *self._impl(cx), donate)
     args = (qj, cx.view(phys), qsl, sl, bt, self._sinks(cx), ks, vs)
     if not donate:
       out.copy_(cx.to_torch(fn(*args)))
