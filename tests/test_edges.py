@@ -13,7 +13,7 @@
 import dataclasses
 import functools
 import math
-from typing import Callable, Optional, Tuple
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,7 @@ import torch
 
 import kvjax
 import torch_bridge as tb
-from torch_testing import (cache_array, cache_bytes, device, on_cpu, poison,  # noqa: F401
+from torch_testing import (cache_array, device, on_cpu, poison,  # noqa: F401
                            rand_bf16, requires_cuda, sync, to_jnp)
 
 H, HQ, D, N, B = 2, 4, 64, 16, 8
@@ -106,7 +106,7 @@ def test_update_and_forward_equal_reference(rng, device, cache_dtype, layout):
   md = _metadata(torch.from_numpy(slots).to(device), device)
   t = sum(Q_LENS) + 1                                   # one padding token at the end
   q = rand_bf16(rng, (t, HQ, D), device)
-  out = torch.full((t, HQ, D), 7.0, dtype=torch.bfloat16, device=device)  # every row must be written
+  out = torch.full((t, HQ, D), 7.0, dtype=torch.bfloat16, device=device)  # poison: rows written
   out_ptr = out.data_ptr()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
