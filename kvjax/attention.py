@@ -54,7 +54,7 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
                 scale=scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap,
                 sinks=sinks, k_scale=k_scale, v_scale=v_scale)
   if impl == "reference":
-    return ref.unified_attention(q, cache, spec, **kwargs)
+    return ref.unified_attention(q, cache, spec, max_query_len=max_query_len, **kwargs)
   from pallas_kernels import attention
   return attention.unified_attention(q, cache, spec, max_query_len=max_query_len,
                                      interpret=interpret, **kwargs)

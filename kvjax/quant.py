@@ -38,6 +38,28 @@ def _times_inverse(x, c: float):
   return x * (np.float32(1.0) / np.float32(c))
 
 
+# -- storage bits ------------------------------------------------------------------------------
+_UINT_OF_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+
+
+def bits_dtype(dtype) -> np.dtype:
+  """The unsigned integer dtype as wide as ``dtype`` (what writers move bytes as)."""
+  return _UINT_OF_SIZE[np.dtype(dtype).itemsize]
+
+
+def to_bits(x):
+  """``x`` reinterpreted as :func:`bits_dtype` (free). Writers scatter bits, never floats:
+  XLA may canonicalize the NaN payload of a float it passes through (fp8 scatters on CPU
+  do), and bytes a write does not name must keep every bit."""
+  bt = bits_dtype(x.dtype)
+  return x if np.dtype(x.dtype) == bt else jax.lax.bitcast_convert_type(x, bt)
+
+
+def from_bits(x, dtype):
+  """Inverse of :func:`to_bits`."""
+  return x if np.dtype(x.dtype) == np.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
 # -- fp8 per tensor --------------------------------------------------------------------------
 def per_head_scale(scale, num_heads: int):
   """A scalar or [H] float32 scale, shaped to broadcast over ``[..., H, D]``."""
@@ -73,6 +95,15 @@ def _int4_unpack(packed):
   return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
 
 
+def int4_scale(lo, hi):
+  """int4 row scale ``max((max - min) / 15, eps)`` from the row's min and max, float32.
+
+  Computed as ``max/15 - min/15`` so rows near the float32 limits (e.g. -3e38 and 3e38,
+  whose difference overflows) still get a finite scale. Used as is inside the write kernels.
+  """
+  return jnp.maximum(_times_inverse(hi, 15.0) - _times_inverse(lo, 15.0), SCALE_EPS)
+
+
 def quantize_per_token_head(x, fmt: F.CacheFormat):
   """One scale per row. ``x [..., D]`` -> (data ``[..., data_dim]`` in storage dtype, scale f32 ``[...]``).
 
@@ -81,7 +112,7 @@ def quantize_per_token_head(x, fmt: F.CacheFormat):
   x = x.astype(jnp.float32)
   if fmt.quant == "int4":
     lo, hi = jnp.min(x, -1), jnp.max(x, -1)
-    scale = jnp.maximum(_times_inverse(hi - lo, 15.0), SCALE_EPS)
+    scale = int4_scale(lo, hi)
     zp = jnp.clip(jnp.round(-lo / scale), 0, 15)
     q = jnp.clip(jnp.round(x * (1.0 / scale)[..., None] + zp[..., None]), 0, 15)
     bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)

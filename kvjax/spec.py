@@ -112,11 +112,14 @@ class ViewGeometry:
   dtype: np.dtype
 
 
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
   """Static description of one layer's packed paged KV cache.
 
-  Frozen and hashable: pass it as a static argument to ``jax.jit``.
+  Frozen and hashable, and a static pytree node (no leaves): ``jax.jit(kvjax.write_kv)``
+  takes it as an ordinary argument, no ``static_argnums`` needed (``static_argnums``
+  still works too).
 
   Attributes:
     num_kv_heads: H, KV heads on this device / tensor-parallel rank.
@@ -146,8 +149,9 @@ class KVCacheSpec:
     _check_geometry(fmt, self.block_size, self.head_size, self.num_kv_heads)
     if fmt.kind == F.NVFP4 and self.layout != "HND":
       raise ValueError(
-          "nvfp4 caches need layout='HND': each side's [data | scales] split is exact only "
-          "when the (heads, tokens) block of a page is contiguous (spec §5)")
+          f"nvfp4 caches need layout='HND', got layout={self.layout!r}: each side's "
+          "[data | scales] split is exact only when the (heads, tokens) block of a page is "
+          "contiguous")
 
   # -- formats ---------------------------------------------------------------------------
   @property
@@ -307,9 +311,13 @@ def nvfp4_split_strided(shape, strides, offset):
   return data, scale
 
 
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class MLACacheSpec:
-  """MLA's latent cache: one ``(B, N, D_latent)`` array per layer, model dtype, no heads."""
+  """MLA's latent cache: one ``(B, N, D_latent)`` array per layer, model dtype, no heads.
+
+  Frozen, hashable and a static pytree node, like :class:`KVCacheSpec`.
+  """
   latent_dim: int = 576
   block_size: int = 16
   dtype: object = jnp.bfloat16

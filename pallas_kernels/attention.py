@@ -20,7 +20,7 @@ def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table,
                 v_scale=v_scale, interpret=interpret)
   if is_decode_batch(q, seq_lens, max_query_len):
     from pallas_kernels.decode_attention import paged_decode_attention
-    return paged_decode_attention(q, cache, spec, **kwargs)
+    return paged_decode_attention(q, cache, spec, query_start_loc=query_start_loc, **kwargs)
   from pallas_kernels.ragged_attention import ragged_paged_attention
   return ragged_paged_attention(q, cache, spec, query_start_loc=query_start_loc, causal=causal,
                                 max_query_len=max_query_len, **kwargs)

@@ -20,9 +20,13 @@ contiguous array), aliased to the output (``input_output_aliases``), so under a
 
 One program handles ``tokens_per_program`` tokens: it loads the tokens' slots, loads
 their K and V rows, quantizes them in registers and stores each segment with computed
-(row, column) indices and a mask. Only rows named by a non-negative slot are stored; no
-other cache byte is read or written (on GPU masked lanes are not accessed; in interpret
-mode they point out of bounds and are dropped). Blocks have power-of-2 sizes: heads,
+(row, column) indices and a mask. Only rows named by a slot in ``[0, B*N)`` are stored, and
+addresses are formed from in-range slots only (int32 never wraps); no other cache byte is
+read or written (on GPU masked lanes are not accessed; in interpret mode they point out of
+bounds and are dropped). In interpret mode the cache is stored through an unsigned-integer
+view: XLA on CPU converts bf16 / fp8 arrays it scatters into through float32, which would
+rewrite the NaN payloads of bytes the write does not name. (Compiled Triton stores move the
+stored bytes only.) Blocks have power-of-2 sizes: heads,
 head sizes and scale groups are padded and masked.
 """
 from __future__ import annotations
@@ -38,6 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvjax import formats as F
 from kvjax import quant
+from kvjax.slots import int32_slots
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import cache_update_math as M
 
@@ -87,6 +92,7 @@ class _Plan:
   padded: int           # storage elements of a side row (scale slot included)
   content: int          # C: storage elements of a row of the row table
   num_rows: int         # rows of the row table
+  num_slots: int        # B * N: slots outside [0, num_slots) are dropped
   num_tokens: int       # T
   tb: int               # tokens per program
   storage: np.dtype
@@ -111,24 +117,27 @@ def _plan(cache, spec: KVCacheSpec, num_tokens: int, config: WriteConfig, gpu: b
   if num_rows > _MAX_ROWS:
     raise ValueError(f"cache has {num_rows} rows, more than the kernel's int32 row index allows")
   return _Plan(fmt.kind, fmt.quant, fmt.qmax, spec.layout, h, M.next_pow2(h), spec.head_size, n,
-               spec.data_dim, spec.padded_head_size, content, num_rows, num_tokens,
+               spec.data_dim, spec.padded_head_size, content, num_rows, b * n, num_tokens,
                config.tokens_per_program, spec.storage_dtype, gpu, config.pair_split)
 
 
 # -- shared pieces of the kernel body ------------------------------------------------------------
 def _token_rows(p: _Plan, slots_ref):
-  """Per kernel row r (token r // Hp, head r % Hp): slot, head, validity, source row."""
+  """Per kernel row r (token r // Hp, head r % Hp): slot, head, validity, source row.
+
+  Valid rows have a slot in ``[0, num_slots)``; every other row gets slot 0, so no address
+  is ever formed from an out-of-range slot (no int32 wrap: ``slot * H + h < num_rows``)."""
   r = jnp.arange(p.rows, dtype=_I32)
   tok = pl.program_id(0) * p.tb + r // p.heads_p
   h = r % p.heads_p
   tok_ld = jnp.minimum(tok, p.num_tokens - 1)
   slot = pltriton.load(slots_ref.at[tok_ld])
-  valid = (tok < p.num_tokens) & (slot >= 0)
+  valid = (tok < p.num_tokens) & (slot >= 0) & (slot < p.num_slots)
   h_ld = h
   if p.heads_p != p.heads:
     valid = valid & (h < p.heads)
     h_ld = jnp.minimum(h, p.heads - 1)
-  return slot, h_ld, valid, tok_ld * p.heads + h_ld
+  return jnp.where(valid, slot, 0), h_ld, valid, tok_ld * p.heads + h_ld
 
 
 def _cols(n: int, n_valid: int):
@@ -195,7 +204,7 @@ def _encode_side(p: _Plan, mth: M.KernelMath, x_ref, scale_ref, src_row, h_ld, s
     xe, xo = _load_pairs(p, x_ref, src_row, dhp, d)
     lo = jnp.minimum(jnp.min(xe, axis=1), jnp.min(xo, axis=1))
     hi = jnp.maximum(jnp.max(xe, axis=1), jnp.max(xo, axis=1))
-    scale = jnp.maximum(M.div_const(hi - lo, 15.0), quant.SCALE_EPS)
+    scale = quant.int4_scale(lo, hi)
     zp = jnp.clip(M.round_half_even(mth.div(-lo, scale)), 0.0, 15.0)
 
     r = mth.recip(scale)[:, None]
@@ -232,7 +241,8 @@ def _rows_kernel(p: _Plan, slots_ref, k_ref, v_ref, scale_ref, cache_in_ref, out
   for side, x_ref in enumerate((k_ref, v_ref)):
     base = side * p.padded
     for off, col, cmask, val in _encode_side(p, mth, x_ref, scale_ref, src_row, h_ld, side):
-      _store(out_ref, row, base + off + col, val.astype(p.storage), valid, cmask)
+      val = val.astype(p.storage)
+      _store(out_ref, row, base + off + col, val if p.gpu else quant.to_bits(val), valid, cmask)
 
 
 # -- nvfp4 ------------------------------------------------------------------------------------
@@ -322,9 +332,11 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   h, d = spec.num_kv_heads, spec.head_size
   k2 = key.reshape(key.shape[0] * h, d)
   v2 = value.reshape(value.shape[0] * h, d)
-  slots = slot_mapping.astype(_I32)
+  slots = int32_slots(slot_mapping, p.num_slots)
   scales = _global_scales(spec, k_scale, v_scale)
   table = cache.reshape(p.num_rows, p.content)
+  if interpret:     # interpret mode stores through XLA scatters: move bits, never floats
+    table = quant.to_bits(table)
   body = _nvfp4_kernel if p.kind == F.NVFP4 else _rows_kernel
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   extra = {}
@@ -342,4 +354,4 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
       name=f"write_kv_{spec.cache_dtype}_{spec.layout}",
       **extra,
   )(slots, k2, v2, scales, table)
-  return out.reshape(cache.shape)
+  return quant.from_bits(out, cache.dtype).reshape(cache.shape)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from kvjax import formats as F
+from kvjax import ragged_batch as RB
 from kvjax import validation as V
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.decode_config import DecodeConfig, choose_num_splits, default_config
@@ -28,8 +30,15 @@ def _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap,
                      "(decode: one query per sequence)")
 
 
-def _tensor_scales(spec: KVCacheSpec, k_scale, v_scale):
-  """float32 ``[2, H]``: the k and v global scales per KV head (ones when the format has none)."""
+def static_or_none(x):
+  """``float(x)`` when ``x`` has a value now (a Python number or a concrete array); None when
+  it is traced under ``jit`` (the kernels then read it from an operand)."""
+  return None if isinstance(x, jax.core.Tracer) else float(x)
+
+
+def _tensor_scales(spec: KVCacheSpec, k_scale, v_scale, scale=None):
+  """float32 ``[2, H]``: the k and v global scales per KV head (ones when the format has none);
+  ``[3, H]`` with the softmax scale in row 2 when ``scale`` (traced) is given."""
   h = spec.num_kv_heads
   rows = []
   for sc in (k_scale, v_scale):
@@ -43,6 +52,8 @@ def _tensor_scales(spec: KVCacheSpec, k_scale, v_scale):
       raise ValueError(f"scale must be a scalar{' or [H]' if spec.format.kind != F.NVFP4 else ''}"
                        f" for cache_dtype={spec.cache_dtype!r}, got shape {sc.shape}")
     rows.append(sc)
+  if scale is not None:
+    rows.append(jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (h,)))
   return jnp.stack(rows)
 
 
@@ -68,8 +79,8 @@ def merge_splits(acc, m, l, sinks, num_groups: int):
 
 def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table, scale,
                            sliding_window: Optional[int] = None, soft_cap=None, sinks=None,
-                           k_scale=None, v_scale=None, interpret: bool = False,
-                           config: Optional[DecodeConfig] = None):
+                           k_scale=None, v_scale=None, query_start_loc=None,
+                           interpret: bool = False, config: Optional[DecodeConfig] = None):
   """Decode attention (causal, query at position seq_len - 1) over the packed paged cache.
 
   Args:
@@ -77,13 +88,18 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
     cache: the spec's physical array (``spec.physical_shape(B)``, storage dtype).
     spec: static :class:`kvjax.KVCacheSpec` (layout, cache dtype, geometry).
     seq_lens: int32 ``[S]`` (0 = no keys: output 0); block_table: int32 ``[S, M]``.
-    scale: softmax scale (Python float). sliding_window: W or None; soft_cap: c or None.
+    scale: softmax scale (a Python float, or traced). sliding_window: W or None; soft_cap: c
+      or None (static).
     sinks: float32 ``[Hq]`` per-query-head sink logits or None.
     k_scale, v_scale: global scales (fp8 per-tensor: scalar or [H]; nvfp4: scalar).
     interpret: Pallas interpret mode (CPU tests).
+    query_start_loc: int ``[S+1]`` or None (= ``arange(S+1)``): row i of q is the query of
+      the sequence whose entries are ``(i, i+1)``; rows of no such sequence output 0
+      (:func:`kvjax.ragged_batch.decode_sequences`).
     config: static :class:`DecodeConfig` (None = :func:`default_config` of the cache dtype).
   Returns:
-    ``[S, Hq, D]`` in q's dtype.
+    ``[S, Hq, D]`` in q's dtype. Metadata outside the contract follows
+    :mod:`kvjax.ragged_batch` (seq_lens clipped to the capacity, block ids to [0, B)).
   """
   _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks)
   config = default_config(spec.itemsize) if config is None else config
@@ -95,11 +111,18 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   splits = choose_num_splits(config, s, h, jnp.shape(block_table)[1], spec.block_size)
   sink_hg = (jnp.zeros((h, g), jnp.float32) if sinks is None
              else jnp.asarray(sinks, jnp.float32).reshape(h, g))
+  static_scale = static_or_none(scale)
+  if query_start_loc is None:
+    seq_of_row = jnp.arange(s, dtype=jnp.int32)
+  else:
+    seq_of_row = RB.decode_sequences(query_start_loc, s)
   res = decode_call(
-      q.reshape(s, h, g, d), jnp.asarray(seq_lens, jnp.int32),
-      jnp.asarray(block_table, jnp.int32), _tensor_scales(spec, k_scale, v_scale), sink_hg,
-      cache.reshape(num_blocks, tf.page_elems), tf=tf, config=config, num_splits=splits,
-      scale=float(scale), window=None if sliding_window is None else int(sliding_window),
+      q.reshape(s, h, g, d), seq_of_row, jnp.asarray(seq_lens, jnp.int32),
+      jnp.asarray(block_table, jnp.int32),
+      _tensor_scales(spec, k_scale, v_scale, None if static_scale is not None else scale),
+      sink_hg, cache.reshape(num_blocks, tf.page_elems), tf=tf, config=config,
+      num_splits=splits,
+      scale=static_scale, window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
       interpret=bool(interpret))
   if splits == 1:

@@ -36,15 +36,22 @@ def _part_cols(tf: TileFormat, j: int):
   return i, i < tf.head_size
 
 
-def _decode_kernel(q_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *out_refs,
+def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *out_refs,
                    tf: TileFormat, step_tokens: int, num_splits: int, num_blocks: int,
-                   max_blocks: int, group_pad: int, scale: float, window, soft_cap,
+                   max_blocks: int, group_pad: int, scale, window, soft_cap,
                    has_sinks: bool, prefetch: bool):
   s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_step, n = step_tokens, tf.block_size
   gp, w = group_pad, tf.part_width
   num_groups = q_ref.shape[2]
-  seq_len = sl_ref[s]
+  num_seqs = sl_ref.shape[0]
+  # Query row s is the single query of sequence seq_ref[s] (num_seqs: of none, output 0);
+  # its keys are the sequence's first seq_len, clipped to the block table's capacity.
+  seq = seq_ref[s]
+  seq_c = jnp.minimum(seq, num_seqs - 1)
+  seq_len = jnp.where(seq < num_seqs, jnp.minimum(sl_ref[seq_c], max_blocks * n), 0)
+  if scale is None:                 # a traced softmax scale rides along with the k/v scales
+    scale = ts_ref[2, h]
   lo_tok = jnp.int32(0) if window is None else jnp.maximum(seq_len - window, 0)
   lo_step = lo_tok // t_step
   hi_step = (seq_len + t_step - 1) // t_step
@@ -77,7 +84,7 @@ def _decode_kernel(q_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *out_refs
     tok, valid = visible(i)
     valid = valid & in_range
     bidx = jnp.minimum(tok // n, max_blocks - 1)
-    blk = pltriton.load(bt_ref.at[(s, bidx)])
+    blk = pltriton.load(bt_ref.at[(seq_c, bidx)])
     blk = jnp.clip(blk, 0, num_blocks - 1)
     return tf.load_kv(cache_ref, blk, tok % n, h, valid)
 
@@ -137,15 +144,17 @@ def _decode_kernel(q_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *out_refs
 
 @functools.partial(jax.jit, static_argnames=("tf", "config", "num_splits", "scale", "window",
                                              "soft_cap", "has_sinks", "interpret"))
-def decode_call(q, seq_lens, block_table, tensor_scales, sinks, pages, *, tf: TileFormat,
-                config: DecodeConfig, num_splits: int, scale: float, window, soft_cap,
+def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, pages, *,
+                tf: TileFormat, config: DecodeConfig, num_splits: int, scale, window, soft_cap,
                 has_sinks: bool, interpret: bool):
   """Run the kernel.
 
   Args:
     q: ``[S, H, G, D]`` (a free reshape of ``[S, Hq, D]``), any float dtype.
+    seq_of_row: int32 ``[S]``: the sequence whose query each row of q is (S: none, row 0).
     seq_lens: int32 ``[S]``; block_table: int32 ``[S, M]``.
-    tensor_scales: float32 ``[2, H]`` (k, v global scales; ones when unused).
+    tensor_scales: float32 ``[2, H]`` (k, v global scales; ones when unused), or ``[3, H]``
+      with the softmax scale in row 2 when ``scale`` is None (traced).
     sinks: float32 ``[H, G]`` sink logits (read only when ``has_sinks``).
     pages: the cache as ``[B, page_elems]`` (a free reshape of the physical array).
   Returns:
@@ -180,11 +189,11 @@ def decode_call(q, seq_lens, block_table, tensor_scales, sinks, pages, *, tf: Ti
   return pl.pallas_call(
       kernel,
       grid=(num_seqs, num_heads, num_splits),
-      in_specs=[whole] * 6,
+      in_specs=[whole] * 7,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="kvjax_paged_decode",
-  )(q, seq_lens, block_table, tensor_scales, sinks, pages)
+  )(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, pages)

@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import formats as F
+from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
+from pallas_kernels.decode_attention import static_or_none
 from pallas_kernels import ragged_triton
 from pallas_kernels.decode_formats import TileFormat
 
@@ -114,10 +116,10 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   num_seqs = seq_lens.shape[0]
   if t == 0 or num_seqs == 0:
     return jnp.zeros(q.shape, q.dtype)
-  mql = t if max_query_len is None else int(max_query_len)
-  if mql <= 0:
+  promised = t if max_query_len is None else int(max_query_len)
+  if promised <= 0:
     raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
-  mql = min(sched.next_pow2(mql), sched.next_pow2(t))
+  mql = min(sched.next_pow2(promised), sched.next_pow2(t))
   cdt = _compute_dtype(q.dtype, spec)
   cfg = tile_config or default_tile_config(spec, group, mql, interpret, cdt.itemsize)
   if cfg.rows < group:
@@ -133,21 +135,24 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       num_tiles=num_tiles, bq=bq, rows=cfg.rows, block_kv=cfg.block_kv, causal=bool(causal),
       window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
-      scale=float(scale), compute_dtype=cdt, array_cols=bool(interpret))
+      scale=static_or_none(scale), compute_dtype=cdt, array_cols=bool(interpret))
   tf = TileFormat.of(spec, q.dtype) if fmt.kind == F.NVFP4 or fmt.quant == "int4" else None
-  return _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks,
-              st=st, cfg=cfg, tf=tf, interpret=bool(interpret))
+  return _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks, scale,
+              st=st, cfg=cfg, tf=tf, promised=promised, interpret=bool(interpret))
 
 
-def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks, *, st, cfg,
-         tf, interpret):
+def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks, scale, *,
+         st, cfg, tf, promised, interpret):
   """Launch the kernel. The cache goes in as rows ``[R, C]`` (a free reshape), or as pages
-  ``[B, page_elems]`` for int4 / nvfp4 (``tf``: the decode kernel's TileFormat)."""
+  ``[B, page_elems]`` for int4 / nvfp4 (``tf``: the decode kernel's TileFormat).
+
+  Metadata is clamped first (:mod:`kvjax.ragged_batch`), so every row and block the kernel
+  addresses is in bounds; sequences with more than ``promised`` query tokens get no tile."""
   t, hq, d = q.shape
-  qsl = query_start_loc.astype(jnp.int32)
-  tile_seq, tile_q0 = sched.tile_schedule(qsl, st.num_tiles, st.bq)
-  meta = (tile_seq, tile_q0, qsl, seq_lens.astype(jnp.int32),
-          block_table.astype(jnp.int32).reshape(-1))
+  qsl, sl = RB.clamp_metadata(query_start_loc, seq_lens, num_tokens=t,
+                              capacity=st.max_blocks * st.block_size)
+  tile_seq, tile_q0 = sched.tile_schedule(qsl, st.num_tiles, st.bq, promised)
+  meta = (tile_seq, tile_q0, qsl, sl, block_table.astype(jnp.int32).reshape(-1))
   if tf is None:
     cache2d = cache.reshape(-1, cache.shape[-1])        # free: contiguous physical rows
   else:
@@ -155,6 +160,8 @@ def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sin
   has_tensor_scales = st.kind in (F.FP8_PER_TENSOR, F.NVFP4)
   ks = _per_head(k_scale if has_tensor_scales else None, st.num_kv_heads)
   vs = _per_head(v_scale if has_tensor_scales else None, st.num_kv_heads)
+  if st.scale is None:      # traced softmax scale: the kernel reads it at ks[H]
+    ks = jnp.concatenate([ks, jnp.asarray(scale, jnp.float32).reshape(1)])
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   out = ragged_triton.ragged_attention_call(

@@ -31,15 +31,19 @@ def num_tiles_bound(num_tokens: int, num_seqs: int, bq: int, max_query_len: int)
   return max(1, min(cdiv(num_tokens, bq) + num_seqs, num_seqs * cdiv(max_query_len, bq)))
 
 
-def tile_schedule(query_start_loc, num_tiles: int, bq: int):
+def tile_schedule(query_start_loc, num_tiles: int, bq: int, max_query_len=None):
   """Per static tile index j: (sequence id int32 [num_tiles], first local query token int32).
 
   Tiles of one sequence are consecutive and in token order; tiles past the real
   count get sequence S-1 and q0 = EMPTY_TILE_Q0 (so they hold no query token).
+  A sequence with more than ``max_query_len`` query tokens gets no tile (its rows stay 0,
+  :mod:`kvjax.ragged_batch` rule 2), so the static bound is never short.
   """
   qsl = query_start_loc.astype(jnp.int32)
   num_seqs = qsl.shape[0] - 1
   q_len = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+  if max_query_len is not None:
+    q_len = jnp.where(q_len > max_query_len, 0, q_len)
   tiles = (q_len + bq - 1) // bq
   ends = jnp.cumsum(tiles)
   starts = ends - tiles

@@ -80,7 +80,7 @@ class KernelStatics:
   window: Optional[int]
   soft_cap: Optional[float]
   has_sinks: bool
-  scale: float
+  scale: Optional[float]     # softmax scale; None = traced, read from k_scale_h[H]
   compute_dtype: object      # dot operand dtype
   array_cols: bool = False   # index columns with arrays (interpret mode: no mixed slice+array)
 
@@ -151,6 +151,11 @@ def _row_scale(cache_ref, rows, col: int, row_mask):
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _softmax_scale(st: KernelStatics, ks_ref):
+  """The softmax scale: static, or (traced) loaded from the element after the H k scales."""
+  return st.scale if st.scale is not None else ks_ref[st.num_kv_heads]
+
+
 def _to_compute(x, st: KernelStatics):
   """Loaded q or stored K/V data -> dot operand dtype (dequantized up to its scale)."""
   if x.dtype == np.uint8 and st.kind == F.PER_TOKEN_HEAD:
@@ -170,7 +175,7 @@ class _RowTiles:
   def load_q(self, q_rows, row_ok):
     """(q ``[rows, head_pad]``, score scale in the exp2 domain)."""
     st = self.st
-    qk_scale = st.scale * _LOG2E
+    qk_scale = _softmax_scale(st, self.ks_ref) * _LOG2E
     if st.kind == F.FP8_PER_TENSOR:
       qk_scale = qk_scale * self.ks_ref[self.h]
     # q stays as loaded (a dot operand straight from memory); scaling q in registers first
@@ -244,7 +249,7 @@ class _SplitTiles:
       q_parts.append(qp.astype(tf.compute_dtype))
     qsum = sum(jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q_parts)
     state = (q_parts, qsum, self.ks_ref[self.h], self.vs_ref[self.h])
-    return state, self.st.scale * _LOG2E
+    return state, _softmax_scale(self.st, self.ks_ref) * _LOG2E
 
   def init_acc(self):
     return tuple(jnp.zeros((self.st.rows, self.tf.part_width), jnp.float32)

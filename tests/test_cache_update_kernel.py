@@ -4,6 +4,8 @@ Reference = ``kvjax.reference.cache_update.write_kv`` under ``jax.jit`` (see
 ``pallas_kernels.cache_update_math``: XLA rewrites divisions by literal constants under jit,
 and the kernel follows the jitted form).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,18 +143,24 @@ def test_jit_donated_write_round_trips(rng, cache_dtype, layout):
   assert_roundtrip(spec, value, v, vs)
 
 
-def test_donated_hlo_has_no_cache_copy():
+def test_donated_write_is_in_place():
+  """Donated, the output aliases the cache (CPU, interpret mode); the CUDA lowering hands the
+  cache buffer itself to the kernel (aliased, no bits view or copy of it in between)."""
+  from jax import export
   spec = KVCacheSpec(8, 128, 16, "auto", "NHD")
   c = jax.ShapeDtypeStruct(spec.physical_shape(32), spec.storage_dtype)
   kv = jax.ShapeDtypeStruct((40, 8, 128), spec.dtype)
   s = jax.ShapeDtypeStruct((40,), jnp.int32)
+  nbytes = int(np.prod(c.shape)) * 2
   f = lambda c, k, v, s: cu.write_kv(c, k, v, s, spec, interpret=True)
-  shape = "bf16[" + ",".join(map(str, spec.physical_shape(32))) + "]"
-  texts = {d: jax.jit(f, donate_argnums=d).lower(c, kv, kv, s).compile().as_text()
-           for d in ((0,), ())}
-  copies = lambda txt: [ln for ln in txt.splitlines() if " copy(" in ln and shape in ln]
-  assert copies(texts[()])            # without donation XLA protects the caller's cache
-  assert not copies(texts[(0,)])
+  for donate, alias in (((0,), nbytes), ((), 0)):
+    mem = jax.jit(f, donate_argnums=donate).lower(c, kv, kv, s).compile().memory_analysis()
+    assert mem.alias_size_in_bytes == alias
+  g = jax.jit(lambda c, k, v, s: cu.write_kv(c, k, v, s, spec), donate_argnums=0)
+  allow = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  text = export.export(g, platforms=["cuda"], disabled_checks=allow)(c, kv, kv, s).mlir_module()
+  assert "output_operand_aliases" in text and "tf.aliasing_output = 0" in text
+  assert "bitcast_convert" not in text
 
 
 # -- in-kernel arithmetic -----------------------------------------------------------------
@@ -213,3 +221,90 @@ def test_kernels_lower_to_triton_for_cuda(cache_dtype, layout, head_size):
   deq = jax.jit(lambda p: dq.dequantize_pages(p, spec))
   text = export.export(deq, platforms=["cuda"], disabled_checks=allow)(c)
   assert "xla.gpu.triton" in text.mlir_module()
+
+
+# -- slots outside the cache, NaN payloads, extreme int4 rows (every writer) ----------------
+_WRITERS = {
+    "reference": lambda c, k, v, s, spec: ref.write_kv(c, k, v, s, spec),
+    "pallas": lambda c, k, v, s, spec: cu.write_kv(c, k, v, s, spec, interpret=True),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(_WRITERS))
+@pytest.mark.parametrize("cache_dtype,layout,heads", [
+    ("auto", "NHD", 4), ("auto", "HND", 2), ("int8_per_token_head", "NHD", 2),
+    ("nvfp4", "HND", 4)])
+def test_slots_outside_the_cache_write_nothing_under_jit(rng, writer, cache_dtype, layout, heads):
+  """Slots >= B*N (just past the end, 2**30+5 whose slot*H wraps int32, 2**31-1) and negative
+  slots store nothing, traced under jit: the result equals writing the valid slots alone."""
+  spec = KVCacheSpec(heads, 64, 16, cache_dtype, layout)
+  b = 4
+  cache = poisoned_cache(rng, spec, b)
+  valid = rng.choice(b * 16, 5, replace=False)
+  bad = [b * 16, b * 16 + 5, 2**30 + 5, 2**31 - 1, -1, -(2**31)]
+  slots = jnp.asarray(rng.permutation(np.concatenate([valid, bad])).astype(np.int32))
+  key, value = random_kv(rng, spec, slots.shape[0])
+  keep = np.asarray(slots) >= 0
+  keep &= np.asarray(slots) < b * 16
+  want = as_bytes(_ref_write(cache, key[keep], value[keep], slots[keep], spec, None, None))
+  got = as_bytes(jax.jit(_WRITERS[writer], static_argnums=4)(cache, key, value, slots, spec))
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("writer", sorted(_WRITERS))
+def test_wide_integer_slots_are_checked_before_narrowing(rng, writer):
+  """int64 slots (numpy) 2**32+7 and -(2**32)+5 would wrap to 7 and 5 in int32: dropped."""
+  spec = KVCacheSpec(2, 64, 16, "auto", "NHD")
+  cache = poisoned_cache(rng, spec, 4)
+  slots = np.asarray([3, 2**32 + 7, -(2**32) + 5, 17], np.int64)
+  key, value = random_kv(rng, spec, 4)
+  pick = jnp.asarray([0, 3])
+  want = as_bytes(_ref_write(cache, key[pick], value[pick], jnp.asarray([3, 17], jnp.int32),
+                             spec, None, None))
+  np.testing.assert_array_equal(as_bytes(_WRITERS[writer](cache, key, value, slots, spec)), want)
+
+
+# A NaN with a payload for every float storage dtype (bits), and a plain float value.
+_NAN_PAYLOADS = {"auto": 0x7FC1, "float16": 0x7E01, "float32": 0x7FC00001,
+                 "fp8_e5m2": 0xFD, "fp8_e4m3": 0x7F}
+
+
+@pytest.mark.parametrize("writer", sorted(_WRITERS))
+@pytest.mark.parametrize("cache_dtype", sorted(_NAN_PAYLOADS))
+@pytest.mark.parametrize("jitted", [False, True])
+def test_untouched_nan_payloads_keep_their_bits(rng, writer, cache_dtype, jitted):
+  """XLA on CPU scatters bf16 / fp8_e5m2 through float32 and rewrites NaN payloads: writers
+  move bits, so every byte not named by a slot keeps its bits (eager and jit, donated)."""
+  spec = KVCacheSpec(2, 32, 16, cache_dtype, "NHD")
+  bits = quant.bits_dtype(spec.storage_dtype)
+  raw = np.full(spec.physical_shape(3), _NAN_PAYLOADS[cache_dtype], bits)
+  cache = jnp.asarray(raw.view(spec.storage_dtype))
+  slots = jnp.asarray([20, 5], jnp.int32)                   # rows of blocks 1 and 0
+  key, value = random_kv(rng, spec, 2)
+  fn = functools.partial(_WRITERS[writer], spec=spec)
+  run = jax.jit(fn, donate_argnums=0) if jitted else fn
+  got = np.asarray(run(cache, key, value, slots)).view(bits)
+  rows = got.reshape(3 * 16, -1)                             # NHD: (block * N + token, H*C)
+  untouched = np.setdiff1d(np.arange(3 * 16), [20, 5])
+  np.testing.assert_array_equal(rows[untouched], raw.reshape(3 * 16, -1)[untouched])
+  assert not np.array_equal(rows[[20, 5]], raw.reshape(3 * 16, -1)[[20, 5]])
+
+
+@pytest.mark.parametrize("writer", sorted(_WRITERS))
+def test_int4_rows_near_the_float32_limit_round_trip_finite(rng, writer):
+  """max - min of a row holding -3e38 and 3e38 overflows float32; the scale must not."""
+  spec = KVCacheSpec(2, 64, 16, "int4_per_token_head", "HND", jnp.float32)
+  x = rng.uniform(-3e38, 3e38, (4, 2, 64)).astype(np.float32)
+  x[:, :, 0], x[:, :, 1] = 3e38, -3e38
+  x[3] = rng.standard_normal((2, 64))                       # an ordinary row next to them
+  key = value = jnp.asarray(x)
+  slots = jnp.asarray([0, 17, 33, 2], jnp.int32)
+  cache = _WRITERS[writer](spec.allocate(3), key, value, slots, spec)
+  np.testing.assert_array_equal(as_bytes(cache), as_bytes(
+      _ref_write(spec.allocate(3), key, value, slots, spec, None, None)))
+  k, _ = kvjax.read_kv(cache, spec, slots)
+  k = np.asarray(k, np.float64)
+  assert np.isfinite(k).all()
+  x64 = x.astype(np.float64)
+  step = (x64.max(-1) - x64.min(-1)) / 15                   # one int4 step, in float64
+  assert np.all(np.abs(k - x64) <= step[..., None] + 1e-6)

@@ -17,6 +17,7 @@ import kvjax
 from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
 from pallas_kernels import ragged_schedule as sched
+from pallas_kernels.decode_attention import paged_decode_attention
 from pallas_kernels.ragged_attention import ragged_paged_attention, supports_spec
 from pallas_kernels.ragged_triton import TileConfig
 
@@ -219,3 +220,129 @@ def test_public_unified_attention_dispatches_here(rng):
   ref = _reference(q, cache, spec, qsl, sl, bt, scale=0.125)
   _close(out, ref, jnp.bfloat16)
   assert np.all(out[int(qsl[-1]):] == 0)
+
+
+# -- metadata outside the contract under jit: one rule for reference and kernels -----------
+def _full_cache(rng, spec, num_blocks):
+  """Every slot of every block written with random K/V (clamped block ids may read any)."""
+  t = num_blocks * spec.block_size
+  k, v = (jnp.asarray(rng.standard_normal((t, spec.num_kv_heads, spec.head_size)), spec.dtype)
+          for _ in range(2))
+  return write_kv(spec.allocate(num_blocks), k, v, jnp.arange(t, dtype=jnp.int32), spec)
+
+
+def _three_ways(q, cache, spec, qsl, sl, bt, max_query_len, **kw):
+  """(reference, ragged kernel, decode kernel or None) under jit with traced metadata."""
+  def ref(q, c, qsl, sl, bt):
+    return ref_attention(q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
+                         max_query_len=max_query_len, **kw)
+
+  def ragged(q, c, qsl, sl, bt):
+    return ragged_paged_attention(q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
+                                  max_query_len=max_query_len, interpret=True, **kw)
+
+  def decode(q, c, qsl, sl, bt):
+    return paged_decode_attention(q, c, spec, query_start_loc=qsl, seq_lens=sl,
+                                  block_table=bt, interpret=True, **kw)
+
+  outs = [np.asarray(jax.jit(f)(q, cache, qsl, sl, bt), np.float32) for f in (ref, ragged)]
+  if max_query_len == 1 and q.shape[0] == sl.shape[0]:
+    outs.append(np.asarray(jax.jit(decode)(q, cache, qsl, sl, bt), np.float32))
+  return outs
+
+
+# (query_start_loc, seq_lens, block-table fill, max_query_len) with T = 6, S = 4 (or T = S = 4)
+INVALID_METADATA = [
+    ([2, 3, 5, 6, 6], [4, 30, 9, 3], "ok", None),         # qsl[0] > 0: tokens 0, 1 output 0
+    ([0, 4, 2, 5, 9], [8, 5, 7, 6], "ok", None),          # decreasing entry, end past T
+    ([0, 2, 3, 4, 6], [-3, 1, 500, 6], "ok", None),       # negative / past-capacity seq_lens
+    ([0, 1, 3, 4, 6], [20, 13, 9, 40], "wild", None),     # block ids < 0 and >= B
+    ([0, 1, 4, 5, 6], [7, 9, 12, 5], "ok", 2),            # a sequence above max_query_len
+    ([0, 1, 1, 2, 4], [9, 17, 33, 5], "ok", 1),           # decode batch, empty seq in between
+    ([0, 1, 2, 2, 3], [9, 600, 33, -1], "wild", 1),       # decode batch, invalid everything
+    ([1, 2, 3, 4, 4], [9, 17, 33, 5], "ok", 1),           # decode batch shifted by one
+]
+
+
+@pytest.mark.parametrize("qsl,seq_lens,table,max_query_len", INVALID_METADATA)
+def test_metadata_outside_the_contract_gives_one_answer(rng, qsl, seq_lens, table,
+                                                        max_query_len):
+  """kvjax.ragged_batch's rules: the reference, the ragged and the decode kernel agree."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16, layout="HND")
+  num_blocks, max_blocks = 6, 3
+  cache = _full_cache(rng, spec, num_blocks)
+  s = len(seq_lens)
+  t = s if max_query_len == 1 else 6
+  bt = rng.integers(0, num_blocks, (s, max_blocks))
+  if table == "wild":
+    bt[0, 0], bt[-1, -1], bt[1, 1] = -7, num_blocks + 3, 2**31 - 1
+  q = jnp.asarray(rng.standard_normal((t, 4, 32)), jnp.bfloat16)
+  outs = _three_ways(q, cache, spec, jnp.asarray(qsl, jnp.int32),
+                     jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt, jnp.int32),
+                     max_query_len, scale=0.2)
+  assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+  for o in outs[1:]:
+    _close(o, outs[0], jnp.bfloat16)
+
+
+def test_decode_batch_with_an_empty_sequence_reads_the_right_rows(rng):
+  """Valid concrete metadata: the second sequence has no query, so token 1 is the third
+  sequence's query. The public op (decode kernel, max_query_len=1) gets it right."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16)
+  cache = _full_cache(rng, spec, 6)
+  q = jnp.asarray(rng.standard_normal((3, 4, 32)), jnp.bfloat16)
+  meta = dict(query_start_loc=jnp.asarray([0, 1, 1, 2], jnp.int32),
+              seq_lens=jnp.asarray([5, 17, 40], jnp.int32),
+              block_table=jnp.asarray(rng.integers(0, 6, (3, 3)), jnp.int32))
+  out = kvjax.unified_attention(q, cache, spec, scale=0.2, max_query_len=1, impl="pallas",
+                                interpret=True, **meta)
+  want = kvjax.unified_attention(q, cache, spec, scale=0.2, impl="reference", **meta)
+  _close(np.asarray(out, np.float32), np.asarray(want, np.float32), jnp.bfloat16)
+  assert not np.asarray(out)[2].any()          # token 2 belongs to no sequence
+
+
+@pytest.mark.parametrize("max_query_len", [1, 8])
+def test_traced_softmax_scale_in_the_kernels(rng, max_query_len):
+  """jax.jit(kvjax.unified_attention) traces every argument, the softmax scale included."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16,
+                           cache_dtype="fp8", layout="NHD")
+  cache = _full_cache(rng, spec, 6)
+  s = 3
+  t = s if max_query_len == 1 else 8
+  q = jnp.asarray(rng.standard_normal((t, 4, 32)), jnp.bfloat16)
+  qsl = jnp.asarray([0, 1, 2, 3] if max_query_len == 1 else [0, 1, 6, 8], jnp.int32)
+  sl = jnp.asarray([5, 30, 44], jnp.int32)
+  bt = jnp.asarray(rng.integers(0, 6, (s, 3)), jnp.int32)
+
+  @jax.jit
+  def run(q, c, scale, ks):
+    return kvjax.unified_attention(q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
+                                   scale=scale, k_scale=ks, max_query_len=max_query_len,
+                                   impl="pallas", interpret=True)
+
+  out = np.asarray(run(q, cache, jnp.float32(0.3), jnp.float32(0.5)), np.float32)
+  want = ref_attention(q, cache, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
+                       scale=0.3, k_scale=0.5)
+  _close(out, np.asarray(want, np.float32), jnp.bfloat16)
+
+
+def test_jit_of_the_public_ops_needs_no_static_argnums(rng):
+  """KVCacheSpec is a static pytree node: jax.jit of the public functions just works."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16)
+  cache = spec.allocate(4)
+  k, v = (jnp.asarray(rng.standard_normal((5, 2, 32)), jnp.bfloat16) for _ in range(2))
+  slots = jnp.asarray([3, 20, 41, 60, 7], jnp.int32)
+  cache = jax.jit(kvjax.write_kv)(cache, k, v, slots, spec)
+  rk, _ = jax.jit(kvjax.read_kv)(cache, spec, slots)
+  np.testing.assert_array_equal(np.asarray(rk), np.asarray(k, np.float32))
+  q = jnp.asarray(rng.standard_normal((5, 4, 32)), jnp.bfloat16)
+  meta = dict(query_start_loc=jnp.asarray([0, 2, 5], jnp.int32),
+              seq_lens=jnp.asarray([2, 3], jnp.int32),
+              block_table=jnp.asarray([[0, 1], [2, 3]], jnp.int32))
+  out = jax.jit(kvjax.unified_attention)(q, cache, spec, scale=0.25, **meta)
+  want = ref_attention(q, cache, spec, scale=0.25, **meta)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  assert jax.tree_util.tree_leaves(spec) == [] and hash(spec) == hash(
+      kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16))
+  mla = kvjax.MLACacheSpec()
+  assert jax.tree_util.tree_leaves(mla) == [] and hash(mla) == hash(kvjax.MLACacheSpec())

@@ -23,7 +23,7 @@ def _scales(spec, rng):
 @pytest.mark.parametrize("cache_dtype", ALL_CACHE_DTYPES)
 def test_roundtrip_and_untouched_bytes(rng, cache_dtype, layout):
   if cache_dtype == "nvfp4" and layout == "NHD":
-    with pytest.raises(ValueError, match="HND"):
+    with pytest.raises(ValueError, match="layout='HND', got layout='NHD'"):
       KVCacheSpec(3, 64, 16, cache_dtype="nvfp4", layout="NHD")
     return
   spec = spec_for(cache_dtype, layout, num_kv_heads=3, head_size=64)

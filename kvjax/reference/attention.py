@@ -8,27 +8,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from kvjax.views import dequantize_pages
 
 _HI = jax.lax.Precision.HIGHEST
-
-
-def token_positions(query_start_loc, seq_lens, num_tokens: int):
-  """Per flattened query token: (sequence id, absolute position, is a real token).
-
-  query_start_loc: int ``[S+1]``; seq_lens: int ``[S]`` (prefix + new tokens).
-  Tokens at or past ``query_start_loc[S]`` are padding (is-real False).
-  """
-  qsl = query_start_loc.astype(jnp.int32)
-  num_seqs = seq_lens.shape[0]
-  i = jnp.arange(num_tokens, dtype=jnp.int32)
-  seq = jnp.searchsorted(qsl[1:], i, side="right").astype(jnp.int32)
-  real = seq < num_seqs
-  seq = jnp.minimum(seq, num_seqs - 1)
-  q_len = qsl[seq + 1] - qsl[seq]
-  pos = seq_lens.astype(jnp.int32)[seq] - q_len + (i - qsl[seq])
-  return seq, pos, real
 
 
 def attention_row(q, k, v, valid, *, scale, soft_cap=None, sink=None):
@@ -57,7 +41,7 @@ def attention_row(q, k, v, valid, *, scale, soft_cap=None, sink=None):
 
 def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
                       scale, causal=True, sliding_window=None, soft_cap=None, sinks=None,
-                      k_scale=None, v_scale=None):
+                      k_scale=None, v_scale=None, max_query_len=None):
   """Ragged paged attention over the packed cache.
 
   Args:
@@ -68,23 +52,32 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
     scale: softmax scale. sliding_window: W or None. soft_cap: c or None.
     sinks: float32 ``[Hq]`` per-query-head sink logits or None.
     k_scale, v_scale: global scales of fp8 per-tensor / nvfp4 caches.
+    max_query_len: None, or the bound the caller promises on every sequence's query length;
+      a sequence above it outputs 0 (as the kernels do, which tile by it).
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
+
+  Metadata outside the contract (possible under ``jit``) follows the rules of
+  :mod:`kvjax.ragged_batch`, as every kernel does: ``query_start_loc`` clipped to [0, T] and
+  made non-decreasing, ``seq_lens`` clipped to the block table's capacity, block ids clipped
+  to [0, B), rows of no sequence (or of a sequence longer than ``max_query_len``) are 0.
   """
   t, hq, d = q.shape
   h = spec.num_kv_heads
   g = hq // h
   n = spec.block_size
   num_blocks = cache.shape[0]
-  k_all, v_all = dequantize_pages(cache, spec, k_scale, v_scale)    # [B, N, H, D]
-  seq, pos, real = token_positions(query_start_loc, seq_lens, t)
   max_blocks = block_table.shape[1]
+  k_all, v_all = dequantize_pages(cache, spec, k_scale, v_scale)    # [B, N, H, D]
+  qsl, seq_lens = RB.clamp_metadata(query_start_loc, seq_lens, num_tokens=t,
+                                    capacity=max_blocks * n)
+  seq, pos, real = RB.token_positions(qsl, seq_lens, t, max_query_len)
   key_pos = jnp.arange(max_blocks * n, dtype=jnp.int32)
   sink_hg = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(h, g)
 
   def one(args):
     qi, si, pi, ri = args
-    blocks = jnp.clip(block_table[si].astype(jnp.int32), 0, num_blocks - 1)
+    blocks = RB.clamp_blocks(block_table[si], num_blocks)
     k = k_all[blocks].reshape(max_blocks * n, h, d)
     v = v_all[blocks].reshape(max_blocks * n, h, d)
     valid = (key_pos < seq_lens[si]) & ri

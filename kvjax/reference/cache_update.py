@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from kvjax import formats as F
 from kvjax import quant
+from kvjax.slots import int32_slots
 from kvjax.spec import KVCacheSpec
 
 
@@ -34,10 +35,12 @@ def encode_rows(key, value, spec: KVCacheSpec, k_scale=None, v_scale=None):
 
 
 def split_slots(slot_mapping, spec: KVCacheSpec, num_blocks: int):
-  """(block ids, offsets) of each slot; negative slots get block id ``num_blocks`` (dropped)."""
-  slots = slot_mapping.astype(jnp.int32)
-  block = jnp.where(slots < 0, num_blocks, slots // spec.block_size)
-  return block, jnp.where(slots < 0, 0, slots % spec.block_size)
+  """(block ids, offsets) of each slot; slots outside ``[0, num_blocks * block_size)`` get
+  block id ``num_blocks`` (dropped by the scatter)."""
+  slots = int32_slots(slot_mapping, num_blocks * spec.block_size)
+  bad = (slots < 0) | (slots >= num_blocks * spec.block_size)
+  block = jnp.where(bad, num_blocks, slots // spec.block_size)
+  return block, jnp.where(bad, 0, slots % spec.block_size)
 
 
 def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, k_scale=None, v_scale=None):
@@ -54,9 +57,12 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, k_scale=None, v
   rows = encode_rows(key, value, spec, k_scale, v_scale)
   if spec.format.kind == F.NVFP4:
     return _write_nvfp4(cache, rows, block, off, spec)
+  bits, rows = quant.to_bits(cache), quant.to_bits(rows)     # scatter bits, never floats
   if spec.layout == "NHD":
-    return cache.at[block, off].set(rows, mode="drop")
-  return cache.at[block, :, off].set(rows, mode="drop")
+    bits = bits.at[block, off].set(rows, mode="drop")
+  else:
+    bits = bits.at[block, :, off].set(rows, mode="drop")
+  return quant.from_bits(bits, cache.dtype)
 
 
 def _write_nvfp4(cache, rows, block, off, spec: KVCacheSpec):
