@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import formats as F
+from kvjax.slots import int32_slots
 from kvjax.spec import KVCacheSpec
 
 _I32 = np.iinfo(np.int32)
@@ -81,10 +82,7 @@ def check_int_array(name: str, x, ndim: int):
 
 
 def saturate_int32(x):
-  """``x`` as int32, values beyond int32's range clamped to its ends (never wrapped).
-
-  So a negative slot stays negative (skipped) and a huge one stays out of range.
-  """
+  """``x`` as int32, values beyond int32's range clamped to its ends (never wrapped)."""
   dt = np.dtype(x.dtype)
   if dt == np.int32:
     return x
@@ -147,14 +145,14 @@ def check_slots(slot_mapping, num_slots: int, name: str = "slot_mapping",
                 negative_ok: bool = True):
   """Integer ``[T]`` slots, checked when concrete, returned as int32 without wrapping.
 
-  Negative = skip (when ``negative_ok``). Wider integers are narrowed by
-  :func:`saturate_int32` *after* the check, so -(2**32) + 5 stays a skip.
+  Negative = skip (when ``negative_ok``). Wider integers are narrowed *after* the check
+  (:func:`kvjax.slots.int32_slots`), so -(2**32) + 5 stays a skip.
   """
   x = check_int_array(name, slot_mapping, 1)
   vals = host_values(x)
   if vals is not None:
     check_slot_values(name, vals, num_slots, negative_ok)
-  return saturate_int32(as_jax_int32(x))
+  return int32_slots(x, num_slots)
 
 
 def _check_scale_type(name: str, s):

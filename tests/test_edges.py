@@ -463,13 +463,12 @@ def test_public_ops_jit_with_the_spec_as_an_argument(rng, impl):
   got = write(cache, key, value, slots, spec, k_scale=ks, v_scale=ks)
   want = kvjax.write_kv(cache, key, value, slots, spec, k_scale=ks, v_scale=ks)
   np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
-  if impl == "reference":
-    args = _attention_batch(rng, _spec())
-    out = jax.jit(kvjax.unified_attention)(
-        args["q"], args["cache"], args["spec"], scale=0.125,
-        **{k: args[k] for k in ("query_start_loc", "seq_lens", "block_table")})
-    np.testing.assert_allclose(np.asarray(out, np.float32), _attend(args, "reference"),
-                               rtol=1e-2, atol=1e-2)
+  args = _attention_batch(rng, _spec())
+  attend = jax.jit(functools.partial(kvjax.unified_attention, impl=impl, interpret=True))
+  out = attend(args["q"], args["cache"], args["spec"], scale=0.125,        # a traced scale
+               **{k: args[k] for k in ("query_start_loc", "seq_lens", "block_table")})
+  np.testing.assert_allclose(np.asarray(out, np.float32), _attend(args, "reference"),
+                             rtol=2e-2, atol=2e-2)
 
 
 # -- attention under jit with invalid metadata: reference and kernels agree (item 6) -------------

@@ -28,22 +28,23 @@ def host_values(t: torch.Tensor, on_cuda: bool) -> Optional[np.ndarray]:
 
 
 def saturate_int32(t: torch.Tensor) -> torch.Tensor:
-  """int32 ``t``, values beyond int32's range clamped to its ends (never wrapped).
-
-  ``.to(torch.int32)`` alone would wrap the int64 slot -(2**32) + 5 (a skip) to 5.
-  """
+  """int32 ``t``, values beyond int32's range clamped to its ends (never wrapped)."""
   if t.dtype == torch.int32:
     return t
   return t.clamp(_I32.min, _I32.max).to(torch.int32)
 
 
 def slots_int32(slot_mapping: torch.Tensor, num_slots: int, on_cuda: bool) -> torch.Tensor:
-  """int32 slots, checked (< num_slots) where readable; a negative slot stays a skip and
-  a huge one stays out of range (dropped under jit)."""
+  """int32 slots, checked (< num_slots) where readable. Wider slots outside
+  ``[0, num_slots)`` become -1 before the narrowing (kvjax's rule, ``kvjax.slots``):
+  ``.to(torch.int32)`` alone would wrap -(2**32) + 5 (a skip) to slot 5."""
   host = host_values(slot_mapping, on_cuda)
   if host is not None:
     V.check_slot_values("slot_mapping", host, num_slots, negative_ok=True)
-  return saturate_int32(slot_mapping)
+  if slot_mapping.dtype == torch.int32:
+    return slot_mapping
+  inside = (slot_mapping >= 0) & (slot_mapping < num_slots)
+  return torch.where(inside, slot_mapping, -1).to(torch.int32)
 
 
 def check_scales(spec: KVCacheSpec, k_scale, v_scale, on_cuda: bool):
