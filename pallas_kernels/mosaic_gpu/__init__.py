@@ -1,0 +1,1 @@
+"""Mosaic GPU (Hopper) kernels for the packed paged KV cache: ragged paged attention."""
