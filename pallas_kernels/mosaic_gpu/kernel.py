@@ -79,6 +79,8 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
   (q_smem, o_smem, k_smem, v_smem, p_smem), q_bars, (k_bars, v_bars), (k_free, v_free) = scratch
   geo = st.geo
   g_count, bq, bk, d = geo.group, geo.bq, geo.block_kv, st.head_size
+  cast = plgpu.layout_cast
+  wgmma_layout = plgpu.Layout.WGMMA
   h = lax.axis_index("head")
   tile = st.num_tiles - 1 - lax.axis_index("tile")   # the last tiles (most keys) first
   wg = lax.axis_index("wg")
@@ -105,7 +107,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
   def _consumer():
     plgpu.set_max_registers(232 if geo.num_wgs == 2 else 240, action="increase")
     for w in range(geo.num_wgs):                 # q slabs of this warpgroup, one barrier
-      @pl.when(wg == w)
+      @pl.when((wg == w) & (nq > 0))               # surplus tiles: no rows, no keys
       def _load_q():
         for sl in geo.slabs(w):
           plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + sl.tok, sl.n), h * g_count + sl.g],
@@ -114,22 +116,22 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
     q_wg = q_smem.at[wg]
 
     shape = (TL.WG_ROWS, bk)
-    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + wg * TL.WG_ROWS
-    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    row = cast(lax.broadcasted_iota(jnp.int32, shape, 0), wgmma_layout) + wg * TL.WG_ROWS
+    col = cast(lax.broadcasted_iota(jnp.int32, shape, 1), wgmma_layout)
     q_pos = pos0 + lax.rem(row, bq)              # absolute position of each row's token
 
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    row_layout = wgmma_layout.reduce(1)
     if st.has_sinks:   # a sink is one more logit in the softmax: start from m = sink, l = 1
       g_of_row = lax.div(row, bq)
       sink = jnp.full(shape, _M_INIT, jnp.float32)
       for g in range(g_count):
         sink = jnp.where(g_of_row == g, sinks_ref[h * g_count + g] * _LOG2E, sink)
       m0 = sink.max(axis=1)
-      l0 = plgpu.layout_cast(jnp.full((TL.WG_ROWS,), 1.0, jnp.float32), row_layout)
+      l0 = cast(jnp.full((TL.WG_ROWS,), 1.0, jnp.float32), row_layout)
     else:
-      m0 = plgpu.layout_cast(jnp.full((TL.WG_ROWS,), _M_INIT, jnp.float32), row_layout)
-      l0 = plgpu.layout_cast(jnp.zeros((TL.WG_ROWS,), jnp.float32), row_layout)
-    acc0 = plgpu.layout_cast(jnp.zeros((TL.WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA)
+      m0 = cast(jnp.full((TL.WG_ROWS,), _M_INIT, jnp.float32), row_layout)
+      l0 = cast(jnp.zeros((TL.WG_ROWS,), jnp.float32), row_layout)
+    acc0 = cast(jnp.zeros((TL.WG_ROWS, d), jnp.float32), wgmma_layout)
 
     def step(j, carry, masked: bool):
       acc, m, l = carry
@@ -164,7 +166,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
         @pl.when((j + 1) * bk > kv_len)
         def _zero_v_past_end():
           v_ref = v_smem.at[slot]
-          v_row = plgpu.broadcasted_iota(jnp.int32, (bk, d), 0, layout=plgpu.Layout.WGMMA)
+          v_row = cast(lax.broadcasted_iota(jnp.int32, (bk, d), 0), wgmma_layout)
           v_ref[...] = jnp.where(v_row < kv_len - j * bk, v_ref[...], 0).astype(st.dtype)
           plgpu.commit_smem()
 
