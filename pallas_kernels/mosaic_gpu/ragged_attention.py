@@ -2,7 +2,7 @@
 
 Entry point :func:`ragged_paged_attention`, with the semantics of
 :func:`kvjax.reference.unified_attention`: prefills with a cached prefix and decodes in one
-ragged batch, GQA of any ratio up to 16, causal, sliding window, soft cap, per-head sinks;
+ragged batch, GQA of any ratio up to 16 (8 at head size 256), causal, sliding window, soft cap, per-head sinks;
 padding tokens and rows with no visible key give 0. :func:`supports_attention` says when
 it applies (None) or why not (a one-line reason). The kernel body and its pipeline are in
 :mod:`pallas_kernels.mosaic_gpu.kernel`, the tiling in :mod:`pallas_kernels.mosaic_gpu.tiles`.
@@ -58,8 +58,9 @@ def spec_reason(spec: KVCacheSpec, q_dtype, group: int | None = None) -> str | N
     return f"q dtype {np.dtype(q_dtype)} differs from the cache's {np.dtype(spec.storage_dtype)}"
   if spec.head_size not in SUPPORTED_HEAD_SIZES:
     return f"head_size={spec.head_size}: the kernel takes {SUPPORTED_HEAD_SIZES}"
-  if group is not None and not 1 <= group <= TL.MAX_GROUP:
-    return f"GQA group {group}: the kernel packs at most {TL.MAX_GROUP} query heads per KV head"
+  if group is not None and not 1 <= group <= TL.max_group(spec.head_size):
+    return (f"GQA group {group}: the kernel packs at most {TL.max_group(spec.head_size)} query "
+            f"heads per KV head at head size {spec.head_size}")
   return None
 
 

@@ -106,6 +106,12 @@ class TileGeometry:
 SMEM_BUDGET = 227 * 1024      # Hopper: 227 KiB of shared memory per block
 
 
+def max_group(head_size: int) -> int:
+  """Most query heads per KV head: 8-token slabs in 128 rows (64 rows at head size 256,
+  where two warpgroups' q, out staging and K/V slots would not fit in shared memory)."""
+  return MAX_GROUP if head_size <= 128 else MAX_GROUP // 2
+
+
 def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: int,
                     itemsize: int = 2) -> TileGeometry:
   """The tile for a call: the largest power-of-two ``bq`` with ``G * bq <= 128`` rows, cut
@@ -113,8 +119,9 @@ def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: 
   (decode-sized buckets, head size 256); 128 keys a step (64 for head size 256), as many
   K/V slots (<= 4) as fit in shared memory. K/V copies are ``gcd(block_size, block_kv)``
   tokens each."""
-  if not 1 <= group <= MAX_GROUP:
-    raise ValueError(f"GQA group size {group} is outside [1, {MAX_GROUP}]")
+  if not 1 <= group <= max_group(head_size):
+    raise ValueError(f"GQA group size {group} is outside [1, {max_group(head_size)}] at head "
+                     f"size {head_size}")
   max_rows = WG_ROWS if head_size > 128 else 2 * WG_ROWS
   bq = sched.next_pow2(max_rows // group + 1) // 2          # largest pow2 <= rows // G
   bq = max(MIN_BQ, min(bq, sched.next_pow2(max(1, max_query_len))))
