@@ -31,7 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PARTS = {"checks": 100, "bench": 130}     # seconds each part may take
+PARTS = {"checks": 90, "bench": 140}     # seconds each part may take
 PREFIX = "@@"                             # result lines the parent collects
 
 
@@ -90,15 +90,15 @@ def visible_pairs(q_lens, ctx_lens):
   return sum(int(q) * int(c) + int(q) * (int(q) + 1) // 2 for q, c in zip(q_lens, ctx_lens))
 
 
-def ours_fn(spec, scale, max_query_len, **kw):
+def ours_fn(spec, scale, max_query_len, geometry=None, **kw):
   import jax
-  from pallas_kernels.mosaic_gpu.ragged_attention import ragged_paged_attention
+  from pallas_kernels.mosaic_gpu.ragged_attention import ragged_paged_attention_tiled
 
   @jax.jit
   def f(q, cache, qsl, sl, bt):
-    return ragged_paged_attention(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
-                                  block_table=bt, scale=scale, max_query_len=max_query_len,
-                                  **kw)
+    return ragged_paged_attention_tiled(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
+                                        block_table=bt, scale=scale,
+                                        max_query_len=max_query_len, geometry=geometry, **kw)
   return f
 
 
@@ -220,6 +220,20 @@ def run_bench(smoke: bool = False):
       del args
     if len(set(ql)) == 1:          # dense baselines: equal-length causal prefills
       dense_baselines(timed, problem, len(ql), ql[0], flops)
+  # Tile sweep of this kernel on the first problem (NHD): bq, consumer warpgroups, keys per
+  # step, K/V slots. The default (tiles.choose_geometry) is the 128 x 2 / 2-slot row.
+  from pallas_kernels.mosaic_gpu.tiles import TileGeometry
+  problem, ql, cl = problems[0]
+  flops = 4 * visible_pairs(ql, cl) * HQ * D
+  spec = kvjax.KVCacheSpec(H, D, N, dtype=jnp.bfloat16)
+  args = paged_batch(rng, spec, ql, cl, HQ, fill="random")
+  g = HQ // H
+  for bq, wgs, bk, stages in ((32, 2, 64, 4), (32, 2, 64, 3), (32, 2, 128, 2),
+                              (16, 1, 128, 3), (16, 1, 64, 4)):
+    geo = TileGeometry(g, bq, wgs, bk, stages, N)
+    f = ours_fn(spec, scale, max(ql), geometry=geo)
+    timed(f"Mosaic GPU (ours) NHD bq={bq} wgs={wgs} bk={bk} stages={stages}", problem,
+          lambda: time_jax(f, *args, **timing), flops)
 
 
 def dense_baselines(timed, problem, s, L, flops):

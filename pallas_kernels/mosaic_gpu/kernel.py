@@ -164,10 +164,12 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
       plgpu.barrier_wait(v_bars.at[slot])
       if masked:
         @pl.when((j + 1) * bk > kv_len)
-        def _zero_v_past_end():
-          v_ref = v_smem.at[slot]
-          v_row = cast(lax.broadcasted_iota(jnp.int32, (bk, d), 0), wgmma_layout)
-          v_ref[...] = jnp.where(v_row < kv_len - j * bk, v_ref[...], 0).astype(st.dtype)
+        def _zero_v_past_end():   # 64 rows at a time: fewer live registers
+          v_row = cast(lax.broadcasted_iota(jnp.int32, (TL.WG_ROWS, d), 0), wgmma_layout)
+          for r0 in range(0, bk, TL.WG_ROWS):
+            v_ref = v_smem.at[slot, pl.ds(r0, TL.WG_ROWS)]
+            keep = v_row < kv_len - j * bk - r0
+            v_ref[...] = jnp.where(keep, v_ref[...], 0).astype(st.dtype)
           plgpu.commit_smem()
 
       acc = _accumulate_pv(acc, p16, v_smem.at[slot], None if p_smem is None else p_smem.at[wg])

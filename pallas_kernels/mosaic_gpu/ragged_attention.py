@@ -82,7 +82,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   """Ragged paged attention; arguments as :func:`kvjax.reference.unified_attention`.
 
   Args:
-    q: ``[T, Hq, D]`` bf16/f16 (the cache's dtype), Hq = G * H with G <= 16.
+    q: ``[T, Hq, D]`` bf16/f16 (the cache's dtype), Hq = G * H with G <= 16 (8 at D = 256).
     cache: the spec's physical cache (NHD ``(B, N, H, 2D)`` or HND ``(B, H, N, 2D)``).
     query_start_loc: int32 ``[S+1]``; seq_lens: int32 ``[S]``; block_table: int32
       ``[S, max_blocks]``.
@@ -91,10 +91,24 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     k_scale, v_scale: unused (plain caches only); accepted for the common signature.
     max_query_len: static bound on every sequence's query length (None = T); its power-of-two
       bucket sets the tile's token count.
-    interpret: run in Mosaic GPU interpret mode on CPU (slow; small shapes only).
+    interpret: run in Mosaic GPU interpret mode on CPU (jax >= 0.11; slow, small shapes).
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
   """
+  return ragged_paged_attention_tiled(
+      q, cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
+      block_table=block_table, scale=scale, causal=causal, sliding_window=sliding_window,
+      soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+      max_query_len=max_query_len, interpret=interpret)
+
+
+def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
+                                 block_table, scale, causal=True, sliding_window=None,
+                                 soft_cap=None, sinks=None, k_scale=None, v_scale=None,
+                                 max_query_len=None, interpret=False,
+                                 geometry: TL.TileGeometry | None = None):
+  """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
+  :func:`tiles.choose_geometry`), for benchmark sweeps."""
   del k_scale, v_scale
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   t, hq, d = q.shape
@@ -114,7 +128,11 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   if mql <= 0:
     raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
   mql = min(sched.next_pow2(mql), sched.next_pow2(t))
-  geo = TL.choose_geometry(group, d, spec.block_size, mql, np.dtype(q.dtype).itemsize)
+  geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql,
+                                       np.dtype(q.dtype).itemsize)
+  if geo.group != group or geo.block_size != spec.block_size:
+    raise ValueError(f"geometry {geo} does not match group {group} / block size "
+                     f"{spec.block_size}")
   num_tiles = TL.num_tiles_bound(t, num_seqs, geo.bq)
   max_blocks = block_table.shape[1]
   meta = TL.tile_metadata(query_start_loc, seq_lens, max_blocks, t, num_tiles, geo.bq)
