@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import tiles as TL
-from pallas_kernels.mosaic_gpu.compat import interpret_params, transposed
+from pallas_kernels.mosaic_gpu.compat import interpret_params
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30   # running max before any key: finite, so exp2(m_old - m_new) is never NaN
@@ -139,7 +139,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
       plgpu.barrier_wait(k_bars.at[slot])
 
       def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_wg, transposed(k_smem.at[slot]))
+        plgpu.wgmma(acc_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
@@ -294,6 +294,6 @@ def ragged_attention_call(meta, block_table_flat, sinks, q, cache, *, st: Kernel
       num_threads=geo.num_wgs + 1,
       thread_name="wg",
       interpret=interpret_params() if st.interpret else None,
-      compiler_params=plgpu.CompilerParams(
+      compiler_params=plgpu.CompilerParams(   # Lane semantics on every version: compat.py
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
   )(meta, block_table_flat, sinks, q, cache)
