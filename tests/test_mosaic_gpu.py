@@ -130,19 +130,19 @@ def test_bad_input_is_named():
 
 # -- lowering for CUDA -------------------------------------------------------------------------
 LOWER_CASES = [
-    # layout, G, D, max_query_len, kwargs
-    ("NHD", 4, 128, 4096, dict(sliding_window=64, soft_cap=30.0, sinks=True)),
-    ("HND", 7, 64, 32, {}),
-    ("NHD", 1, 256, 128, dict(causal=False)),
-    ("HND", 8, 128, 1, {}),                   # decode bucket: one consumer warpgroup
+    # layout, G, D, T, max_query_len, kwargs
+    ("NHD", 4, 128, 64, 4096, dict(sliding_window=64, soft_cap=30.0, sinks=True)),
+    ("HND", 7, 64, 37, 32, {}),               # T not a multiple of 8: q padded
+    ("NHD", 1, 256, 64, 128, dict(causal=False)),
+    ("HND", 8, 128, 13, 1, {}),               # decode bucket: one consumer warpgroup
 ]
 
 
-@pytest.mark.parametrize("layout,group,head_size,max_query_len,kw", LOWER_CASES)
-def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, max_query_len, kw):
+@pytest.mark.parametrize("layout,group,head_size,num_tokens,max_query_len,kw", LOWER_CASES)
+def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max_query_len, kw):
   spec = kvjax.KVCacheSpec(2, head_size, 16, layout=layout, dtype=jnp.bfloat16)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  q = jax.ShapeDtypeStruct((64, 2 * group, head_size), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((num_tokens, 2 * group, head_size), jnp.bfloat16)
   cache = jax.ShapeDtypeStruct(spec.physical_shape(32), jnp.bfloat16)
   kw = dict(kw)
   if kw.pop("sinks", False):
