@@ -137,7 +137,7 @@ def test_forward_options_and_dlpack_mode(rng, device, output_mode):
   backend.forward(q, cache, md, out)
   ref = _reference_attention(to_jnp(q.reshape(-1, HQ, D)), cache_array(cache, spec), spec, md,
                              None, None, scale=0.2, sliding_window=9, soft_cap=5.0,
-                             sinks=on_cpu(sinks.numpy()))
+                             sinks=on_cpu(sinks.cpu().numpy()))
   sync(device)
   np.testing.assert_allclose(out.view(-1, HQ, D).float().cpu().numpy(), ref, rtol=2e-2,
                              atol=2e-2)

@@ -56,7 +56,7 @@ def test_to_torch_fp8_raw_dtype_and_refusals(rng):
   cache = jnp.asarray(rng.standard_normal(spec.physical_shape(2)), jnp.float8_e5m2)
   t = tb.to_torch(cache, spec, as_uint8=False)
   assert t.dtype == torch.float8_e5m2 and t.data_ptr() == cache.unsafe_buffer_pointer()
-  np.testing.assert_array_equal(t.float().permute(0, 2, 1, 3).numpy(),
+  np.testing.assert_array_equal(t.float().permute(0, 2, 1, 3).cpu().numpy(),
                                 np.asarray(cache.astype(jnp.float32)))
   with pytest.raises(ValueError, match="as_uint8"):
     tb.to_torch(jnp.zeros(_spec("auto", "NHD").physical_shape(2), jnp.bfloat16),
@@ -99,7 +99,7 @@ def test_from_torch_is_zero_copy_both_views(rng, device, cache_dtype, layout):
   new = torch.from_numpy(rng.integers(0, 256, 64, dtype=np.uint8))
   flat[-64:] = new.to(device)
   sync(device)
-  np.testing.assert_array_equal(jax_bytes(j)[-64:], new.numpy())
+  np.testing.assert_array_equal(jax_bytes(j)[-64:], new.cpu().numpy())
 
 
 def test_from_torch_fp8_uint8_is_reinterpreted_without_copy(rng, device):
@@ -112,7 +112,7 @@ def test_from_torch_fp8_uint8_is_reinterpreted_without_copy(rng, device):
   j = tb.from_torch(t, spec)
   assert j.dtype == jnp.float8_e4m3fn and j.unsafe_buffer_pointer() == t.data_ptr()
   np.testing.assert_array_equal(np.asarray(j.astype(jnp.float32)),
-                                vals.float().permute(0, 2, 1, 3).numpy())
+                                vals.float().permute(0, 2, 1, 3).cpu().numpy())
   j2 = tb.from_torch(t.view(torch.float8_e4m3fn), spec)   # the fp8-typed view works too
   assert j2.unsafe_buffer_pointer() == t.data_ptr()
 
@@ -219,8 +219,8 @@ def test_scale_views_read_the_scale_slots(rng, cache_dtype, layout):
   _fill(rng, t, spec)
   ks, vs = tb.kv_scale_views(t, spec)
   jk, jv = kvjax.kv_scale_views(tb.from_torch(t, spec), spec)
-  np.testing.assert_array_equal(ks.numpy().view(np.uint32), np.asarray(jk).view(np.uint32))
-  np.testing.assert_array_equal(vs.numpy().view(np.uint32), np.asarray(jv).view(np.uint32))
+  np.testing.assert_array_equal(ks.cpu().numpy().view(np.uint32), np.asarray(jk).view(np.uint32))
+  np.testing.assert_array_equal(vs.cpu().numpy().view(np.uint32), np.asarray(jv).view(np.uint32))
   # writing through the torch view lands in the cache's scale slot
   ks[1, 2, 1] = 0.125
   rows = L.physical_tensor(t, spec)
@@ -256,8 +256,8 @@ def test_nvfp4_views_match_kvjax_split(rng):
   views = tb.nvfp4_views(t, spec)
   for (d, sf), side in zip((views[:2], views[2:]), (jk, jv)):
     jd, jsf = kvjax.nvfp4_split_data_scale(side)
-    np.testing.assert_array_equal(d.numpy(), np.asarray(jd))
-    np.testing.assert_array_equal(sf.view(torch.uint8).numpy(), np.asarray(jsf).view(np.uint8))
+    np.testing.assert_array_equal(d.cpu().numpy(), np.asarray(jd))
+    np.testing.assert_array_equal(sf.view(torch.uint8).cpu().numpy(), np.asarray(jsf).view(np.uint8))
   with pytest.raises(ValueError, match="contiguous"):
     tb.nvfp4_split_data_scale(t[:, :2].transpose(1, 2))    # not a contiguous (d1, d2) block
   with pytest.raises(ValueError, match="uint8"):
