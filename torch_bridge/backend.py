@@ -13,6 +13,17 @@ JAX -> torch; the host never blocks).
 CPU: JAX cannot donate an imported buffer (it would copy), so the new cache is
 computed out of place and copied back into the torch tensor (a whole-cache copy per
 update: fine for tests, not for serving); calls return after JAX has finished.
+
+Compiled programs: one per (token count, sequence bucket, block-table width bucket,
+query-length bucket) for ``forward`` and one per key row count for
+``do_kv_cache_update`` (see :mod:`torch_bridge.jitted`): the metadata is padded with
+zero-length sequences and unread block-table columns, the write's slots with -1.
+
+Matmul precision: with a float32 model the JAX computation follows
+``torch.get_float32_matmul_precision()`` at each call ("highest", torch's default:
+true float32; "high": tensorfloat32; "medium": bfloat16), as torch's own float32
+matmuls would; bfloat16 / float16 models keep JAX's setting. kvjax's JAX API itself
+follows JAX's setting (``jax.default_matmul_precision`` / ``JAX_DEFAULT_MATMUL_PRECISION``).
 """
 from __future__ import annotations
 
