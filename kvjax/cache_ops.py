@@ -4,11 +4,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import dispatch
+from kvjax import registry
 from kvjax import validation as V
-from kvjax.reference import cache_update as ref
 from kvjax.spec import KVCacheSpec
-from kvjax.views import dequantize_pages
 
 
 def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None, v_scale=None,
@@ -21,7 +19,9 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
       tokens are written.
     slot_mapping: int ``[T]``: ``block * block_size + offset``; negative = skip.
     k_scale, v_scale: global scales (fp8 per-tensor: scalar or [H]; nvfp4: scalar).
-    impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None = on CPU).
+    impl: "auto" or a name in ``kvjax.registry.WRITE`` ("pallas" = the Triton kernel,
+      "reference"); interpret: Pallas interpret mode (None: where the kernel is not native).
+      ``kvjax.explain("write", spec)`` says which implementation runs and why.
   Pure: under ``jax.jit`` with the cache donated, the write happens in place.
   Quantize-on-write for every cache dtype; blocks not named by a slot are untouched.
   """
@@ -30,25 +30,27 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   V.check_kv_tokens(spec, key, value, slot_mapping.shape[0])
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
-  impl, interpret = dispatch.choose(impl, interpret)
-  if impl == "reference":
-    return ref.write_kv(cache, key, value, slot_mapping, spec, k_scale, v_scale)
-  from pallas_kernels import cache_update
-  return cache_update.write_kv(cache, key, value, slot_mapping, spec, k_scale=k_scale,
-                               v_scale=v_scale, interpret=interpret)
+  run = registry.WRITE.choose(impl, interpret, spec)
+  return run(cache, key, value, slot_mapping, spec, k_scale=k_scale, v_scale=v_scale)
 
 
-def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None):
-  """Dequantized K and V of the given slots: two float32 ``[len(slots), H, D]`` arrays."""
+def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl: str = "auto",
+            interpret=None):
+  """Dequantized K and V of the given slots: two float32 ``[len(slots), H, D]`` arrays.
+
+  ``impl`` / ``interpret`` pick the dequantize step from ``kvjax.registry.READ`` (as
+  :func:`write_kv` does): the pages of the slots are gathered, dequantized, and each slot's
+  row taken."""
   num_blocks = spec.num_blocks_of(cache)
   slots = V.check_slots(slots, num_blocks * spec.block_size)
   if V.is_concrete(slots) and slots.size and int(np.min(np.asarray(slots))) < 0:
     raise ValueError("read_kv slots must be non-negative")
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
+  run = registry.READ.choose(impl, interpret, spec)
   slots = slots.astype(jnp.int32)
   pages = cache[slots // spec.block_size]
-  k, v = dequantize_pages(pages, spec, k_scale, v_scale)       # [T, N, H, D]
+  k, v = run(pages, spec, k_scale=k_scale, v_scale=v_scale)    # [T, N, H, D]
   t = jnp.arange(slots.shape[0])
   off = slots % spec.block_size
   return k[t, off], v[t, off]

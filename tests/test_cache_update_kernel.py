@@ -15,8 +15,8 @@ import kvjax
 from kvjax import KVCacheSpec, quant
 from kvjax.reference import cache_update as ref
 from kv_testing import as_bytes, assert_roundtrip, poisoned_cache, random_kv
-from pallas_kernels import cache_update as cu
-from pallas_kernels import cache_update_math as M
+from pallas_kernels.triton import write as cu
+from pallas_kernels import common as M
 
 NUM_BLOCKS = 5
 _ref_write = jax.jit(ref.write_kv, static_argnums=4)
@@ -207,7 +207,7 @@ def test_kernels_lower_to_triton_for_cuda(cache_dtype, layout, head_size):
   Lowered here without a GPU through ``jax.export``; compiling the Triton IR needs the GPU.
   """
   from jax import export
-  from pallas_kernels import dequant as dq
+  from pallas_kernels.triton import dequant as dq
   spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)
   c = jax.ShapeDtypeStruct(spec.physical_shape(8), spec.storage_dtype)
   kv = jax.ShapeDtypeStruct((40, 2, head_size), spec.dtype)

@@ -15,8 +15,8 @@ import pytest
 import kvjax
 from kvjax import formats as F
 from kvjax.reference import unified_attention as ref_attention
-from pallas_kernels.decode_attention import paged_decode_attention
-from pallas_kernels.decode_config import DecodeConfig, choose_num_splits
+from pallas_kernels.triton.decode import paged_decode_attention
+from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits
 
 
 def _poisoned(rng, spec, num_blocks):
@@ -163,21 +163,24 @@ def test_via_public_unified_attention(rng):
                              rtol=2e-2, atol=2e-2)
 
 
-def test_bad_arguments():
+def test_bad_arguments_are_caught_before_the_kernel():
+  """kvjax.unified_attention validates once; the kernel trusts what it gets."""
   spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16)
   cache = spec.allocate(4)
   q = jnp.ones((2, 4, 64), jnp.bfloat16)
   sl = jnp.array([1, 2], jnp.int32)
   bt = jnp.zeros((2, 2), jnp.int32)
-  call = lambda **kw: paged_decode_attention(
-      kw.pop("q", q), kw.pop("cache", cache), spec,
-      **{"seq_lens": sl, "block_table": bt, "scale": 0.1, "interpret": True, **kw})
+  qsl = jnp.arange(3, dtype=jnp.int32)
+  call = lambda **kw: kvjax.unified_attention(
+      kw.pop("q", q), kw.pop("cache", cache), kw.pop("spec", spec),
+      **{"query_start_loc": qsl, "seq_lens": sl, "block_table": bt, "scale": 0.1,
+         "impl": "pallas", "interpret": True, "max_query_len": 1, **kw})
   with pytest.raises(ValueError, match="head size"):
     call(q=jnp.ones((2, 4, 32), jnp.bfloat16))
   with pytest.raises(ValueError, match="multiple of num_kv_heads"):
     call(q=jnp.ones((2, 3, 64), jnp.bfloat16))
   with pytest.raises(ValueError, match="disagree on S"):
-    call(seq_lens=jnp.array([1, 2, 3], jnp.int32))
+    call(seq_lens=jnp.array([1, 2, 3], jnp.int32), block_table=jnp.zeros((3, 2), jnp.int32))
   with pytest.raises(TypeError, match="integer"):
     call(block_table=jnp.zeros((2, 2), jnp.float32))
   with pytest.raises(ValueError, match="sliding_window"):
@@ -189,9 +192,8 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="physical shape"):
     call(cache=jnp.zeros((4, 16, 2, 64), jnp.bfloat16))
   fp8 = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, cache_dtype="fp8")
-  with pytest.raises(ValueError, match="scale"):
-    paged_decode_attention(q, fp8.allocate(4), fp8, seq_lens=sl, block_table=bt, scale=0.1,
-                           k_scale=jnp.ones(3), interpret=True)
+  with pytest.raises(ValueError, match="k_scale"):
+    call(cache=fp8.allocate(4), spec=fp8, k_scale=jnp.ones(3))
 
 
 def test_config_and_split_rule():

@@ -4,10 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kvjax
 from kvjax import KVCacheSpec, views
 from kvjax.reference import cache_update as ref
 from kv_testing import random_kv
-from pallas_kernels import dequant as dq
+from pallas_kernels.triton import dequant as dq
 
 NUM_BLOCKS = 4
 _ref_write = jax.jit(ref.write_kv, static_argnums=4)
@@ -55,7 +56,7 @@ def test_dequantize_pages_equals_views(rng, case):
   assert np.abs(np.asarray(got[0])).max() > 0                 # real data was read
 
 
-def test_leading_page_dims_and_errors(rng):
+def test_leading_page_dims_and_read_kv(rng):
   spec = KVCacheSpec(2, 64, 16, "nvfp4", "HND")
   key, value = random_kv(rng, spec, NUM_BLOCKS * 16)
   slots = jnp.arange(NUM_BLOCKS * 16, dtype=jnp.int32)
@@ -66,7 +67,9 @@ def test_leading_page_dims_and_errors(rng):
   assert k.shape == (2, NUM_BLOCKS // 2, 16, 2, 64)
   np.testing.assert_array_equal(_bits(k), _bits(wk))
   np.testing.assert_array_equal(_bits(v), _bits(wv))
-  with pytest.raises(ValueError, match="pages must have shape"):
-    dq.dequantize_pages(cache[..., :-1], spec, interpret=True)
-  with pytest.raises(TypeError, match="dtype"):
-    dq.dequantize_pages(cache.astype(jnp.int8), spec, interpret=True)
+  # through read_kv: the "pallas" implementation of the read registry
+  slots = jnp.asarray([5, 63, 17], jnp.int32)
+  got = kvjax.read_kv(cache, spec, slots, impl="pallas", interpret=True)
+  want = kvjax.read_kv(cache, spec, slots, impl="reference")
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(_bits(g), _bits(w))

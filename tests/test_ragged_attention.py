@@ -17,9 +17,9 @@ import kvjax
 from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
 from pallas_kernels import ragged_schedule as sched
-from pallas_kernels.decode_attention import paged_decode_attention
-from pallas_kernels.ragged_attention import ragged_paged_attention, supports_spec
-from pallas_kernels.ragged_triton import TileConfig
+from pallas_kernels.triton.decode import paged_decode_attention
+from pallas_kernels.triton.ragged import ragged_paged_attention
+from pallas_kernels.triton.ragged_kernel import TileConfig
 
 Q_LENS = (7, 1, 20, 0, 1, 12)
 CTX_LENS = (0, 40, 17, 5, 0, 33)
@@ -180,7 +180,6 @@ def test_ragged_split_formats_match_reference(rng, layout, cache_dtype, group, h
   """int4 per token-head and nvfp4 (even / odd head dims apart, decode's TileFormat)."""
   spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=head_size, block_size=block_size,
                            layout=layout, cache_dtype=cache_dtype, dtype=jnp.bfloat16)
-  assert supports_spec(spec)
   ks, vs = (None if x is None else jnp.asarray(x, jnp.float32) for x in scales)
   kw = dict(kw)
   if kw.pop("sinks", False):
@@ -195,15 +194,6 @@ def test_split_format_gpu_prefill_tile_matches_reference(rng):
                            cache_dtype="int4_per_token_head", dtype=jnp.bfloat16)
   o, r = _run_both(rng, spec, 4, tile_config=TileConfig(256, 64, 8, 3), sliding_window=20)
   _close(o, r, jnp.bfloat16)
-
-
-@pytest.mark.parametrize("cache_dtype", sorted(kvjax.formats.CACHE_FORMATS))
-def test_supports_every_cache_dtype(cache_dtype):
-  layout = "HND" if cache_dtype == "nvfp4" else "NHD"
-  assert supports_spec(kvjax.KVCacheSpec(num_kv_heads=1, head_size=64, block_size=16,
-                                         layout=layout, cache_dtype=cache_dtype))
-  with pytest.raises(TypeError, match="KVCacheSpec"):
-    supports_spec("int4_per_token_head")
 
 
 def test_public_unified_attention_dispatches_here(rng):

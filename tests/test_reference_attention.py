@@ -149,9 +149,8 @@ def test_legacy_5d_roundtrip(rng, layout):
 def test_auto_on_gpu_runs_ragged_kernel_for_int4(rng, monkeypatch):
   """impl="auto" on a GPU backend sends a ragged batch (an int4 cache here) to the ragged
   Pallas kernel (in interpret mode), not the reference, and matches the numpy oracle."""
-  from kvjax import dispatch
-  from pallas_kernels import ragged_attention
-  monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
+  from kvjax import registry
+  from pallas_kernels.triton import ragged as ragged_attention
   calls = []
   kernel = ragged_attention.ragged_paged_attention
 
@@ -162,6 +161,7 @@ def test_auto_on_gpu_runs_ragged_kernel_for_int4(rng, monkeypatch):
   monkeypatch.setattr(ragged_attention, "ragged_paged_attention", spy)
   spec = spec_for("int4_per_token_head", num_kv_heads=2, head_size=32)
   q, cache, meta, kk, vv = build_batch(rng, spec, [3, 1], [4, 9], 4)
+  monkeypatch.setattr(registry, "platform", lambda: "gpu")
   out = kvjax.unified_attention(q, cache, spec, scale=0.2, interpret=True, **meta)
   assert calls == [True]
   np.testing.assert_allclose(np.asarray(out), numpy_attention(q, meta, kk, vv, scale=0.2),

@@ -1,9 +1,8 @@
 """Unified ragged paged attention (prefill with cached prefix + decode in one batch), Pallas.
 
-Semantics: exactly :func:`kvjax.reference.unified_attention` (spec §6). This
-module validates what the kernels support, builds the static tiling, and is
-the one dispatch point between backends (today: the Triton-lowering kernel in
-:mod:`pallas_kernels.ragged_triton`, also used in interpret mode on CPU).
+Semantics: exactly :func:`kvjax.reference.unified_attention`. This module builds the static
+tiling and launches the kernel in :mod:`pallas_kernels.ragged_triton` (Triton lowering on GPU,
+interpret mode on CPU). Arguments arrive validated by ``kvjax.unified_attention``.
 
 Static sizes and recompilation (bucketing rule)
 -----------------------------------------------
@@ -35,15 +34,15 @@ from kvjax import formats as F
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
-from pallas_kernels.decode_attention import static_or_none
-from pallas_kernels import ragged_triton
-from pallas_kernels.decode_formats import TileFormat
+from pallas_kernels.triton.decode import static_or_none
+from pallas_kernels.triton import ragged_kernel
+from pallas_kernels.triton.tiles import TileFormat
 
 _MAX_ROWS = 256
 
 
 def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, interpret: bool,
-                        compute_itemsize: int) -> ragged_triton.TileConfig:
+                        compute_itemsize: int) -> ragged_kernel.TileConfig:
   """Tiles for this problem: rows from the max_query_len bucket, smaller on CPU interpret.
 
   Measured on the H200 (4 x 4096 causal, bf16, D=128, G=4; benchmarks/results/prefill.md):
@@ -54,22 +53,14 @@ def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, inter
   rows = max(16, min(cap, sched.next_pow2(max_query_len * group)))
   rows = max(rows, sched.next_pow2(group))          # at least one token per tile
   if interpret:
-    return ragged_triton.TileConfig(rows=rows, block_kv=16, num_warps=4, num_stages=1)
+    return ragged_kernel.TileConfig(rows=rows, block_kv=16, num_warps=4, num_stages=1)
   if spec.head_size > 128 or compute_itemsize > 2:  # big tiles: keep registers/smem in budget
     rows = min(rows, 64)
-    return ragged_triton.TileConfig(rows=rows, block_kv=32, num_warps=4, num_stages=2)
+    return ragged_kernel.TileConfig(rows=rows, block_kv=32, num_warps=4, num_stages=2)
   if rows >= 256:
-    return ragged_triton.TileConfig(rows=rows, block_kv=64, num_warps=8, num_stages=3)
+    return ragged_kernel.TileConfig(rows=rows, block_kv=64, num_warps=8, num_stages=3)
   block_kv = 32 if rows >= 64 else 64   # decode-sized tiles: more keys in flight per step
-  return ragged_triton.TileConfig(rows=rows, block_kv=block_kv, num_warps=4, num_stages=3)
-
-
-def supports_spec(spec: KVCacheSpec) -> bool:
-  """Every KVCacheSpec (int4 / nvfp4 caches, even and odd head dims kept apart, through the
-  decode kernel's TileFormat). Raises TypeError for anything but a KVCacheSpec."""
-  if not isinstance(spec, KVCacheSpec):
-    raise TypeError(f"spec must be a kvjax.KVCacheSpec, got {type(spec).__name__}")
-  return True
+  return ragged_kernel.TileConfig(rows=rows, block_kv=block_kv, num_warps=4, num_stages=3)
 
 
 def _compute_dtype(q_dtype, spec: KVCacheSpec):
@@ -87,7 +78,7 @@ def _per_head(x, num_heads: int):
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
                            scale, causal=True, sliding_window=None, soft_cap=None, sinks=None,
                            k_scale=None, v_scale=None, max_query_len=None, interpret=False,
-                           tile_config: Optional[ragged_triton.TileConfig] = None):
+                           tile_config: Optional[ragged_kernel.TileConfig] = None):
   """Ragged paged attention over the packed cache (spec §6), one Pallas kernel.
 
   Args:
@@ -104,21 +95,14 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
   """
-  supports_spec(spec)
   t, hq, d = q.shape
   h = spec.num_kv_heads
-  if hq % h:
-    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={h}")
-  if d != spec.head_size:
-    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
   group = hq // h
-  num_blocks = spec.num_blocks_of(cache)
+  num_blocks = cache.shape[0]
   num_seqs = seq_lens.shape[0]
   if t == 0 or num_seqs == 0:
     return jnp.zeros(q.shape, q.dtype)
   promised = t if max_query_len is None else int(max_query_len)
-  if promised <= 0:
-    raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
   mql = min(sched.next_pow2(promised), sched.next_pow2(t))
   cdt = _compute_dtype(q.dtype, spec)
   cfg = tile_config or default_tile_config(spec, group, mql, interpret, cdt.itemsize)
@@ -127,7 +111,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   bq = cfg.rows // group
   num_tiles = sched.num_tiles_bound(t, num_seqs, bq, mql)
   fmt = spec.format
-  st = ragged_triton.KernelStatics(
+  st = ragged_kernel.KernelStatics(
       kind=fmt.kind, quant=fmt.quant if fmt.kind == F.PER_TOKEN_HEAD else None,
       head_size=d, head_pad=sched.next_pow2(d), data_dim=spec.data_dim,
       v_offset=spec.padded_head_size, num_kv_heads=h, group=group, block_size=spec.block_size,
@@ -164,7 +148,7 @@ def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sin
     ks = jnp.concatenate([ks, jnp.asarray(scale, jnp.float32).reshape(1)])
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
-  out = ragged_triton.ragged_attention_call(
+  out = ragged_kernel.ragged_attention_call(
       q.reshape(t * hq, d), cache2d, meta, ks, vs, sk, jnp.zeros((t * hq, d), q.dtype),
       st=st, cfg=cfg, tf=tf, interpret=interpret)
   return out.reshape(t, hq, d)

@@ -21,8 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode_config import DecodeConfig
-from pallas_kernels.decode_formats import TileFormat
+from pallas_kernels.triton.decode_config import DecodeConfig
+from pallas_kernels.triton.tiles import TileFormat
 
 #: Finite "minus infinity" for masked scores (avoids inf - inf = NaN).
 NEG = -1e30

@@ -5,7 +5,8 @@ Entry point :func:`paged_decode_attention`. The kernel
 and V of a token in the same step, dequantized in the kernel). With one split it
 writes the output itself; with several (few long sequences) this module merges
 the per-split partials and the sinks in XLA. Works under ``jax.jit``: ``seq_lens`` and
-``block_table`` may be traced; shapes, ``scale``, window and soft cap are static.
+``block_table`` may be traced; shapes, window and soft cap are static. Arguments arrive
+validated by ``kvjax.unified_attention``.
 """
 from __future__ import annotations
 
@@ -14,20 +15,11 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kvjax import formats as F
 from kvjax import ragged_batch as RB
-from kvjax import validation as V
 from kvjax.spec import KVCacheSpec
-from pallas_kernels.decode_config import DecodeConfig, choose_num_splits, default_config
-from pallas_kernels.decode_formats import TileFormat
-from pallas_kernels.decode_triton import decode_call
-
-
-def _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks):
-  V.check_attention_inputs(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks)
-  if jnp.shape(seq_lens)[0] != q.shape[0]:
-    raise ValueError(f"q [S={q.shape[0]}, ...] and seq_lens {jnp.shape(seq_lens)} disagree on S "
-                     "(decode: one query per sequence)")
+from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits, default_config
+from pallas_kernels.triton.tiles import TileFormat
+from pallas_kernels.triton.decode_kernel import decode_call
 
 
 def static_or_none(x):
@@ -46,12 +38,7 @@ def _tensor_scales(spec: KVCacheSpec, k_scale, v_scale, scale=None):
       rows.append(jnp.ones((h,), jnp.float32))
       continue
     sc = jnp.asarray(sc, jnp.float32)
-    if sc.size == 1:
-      sc = jnp.broadcast_to(sc.reshape(()), (h,))
-    elif sc.shape != (h,) or spec.format.kind == F.NVFP4:
-      raise ValueError(f"scale must be a scalar{' or [H]' if spec.format.kind != F.NVFP4 else ''}"
-                       f" for cache_dtype={spec.cache_dtype!r}, got shape {sc.shape}")
-    rows.append(sc)
+    rows.append(jnp.broadcast_to(sc.reshape(-1) if sc.ndim else sc, (h,)))
   if scale is not None:
     rows.append(jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (h,)))
   return jnp.stack(rows)
@@ -101,7 +88,6 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
     ``[S, Hq, D]`` in q's dtype. Metadata outside the contract follows
     :mod:`kvjax.ragged_batch` (seq_lens clipped to the capacity, block ids to [0, B)).
   """
-  _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks)
   config = default_config(spec.itemsize) if config is None else config
   s, hq, d = q.shape
   h = spec.num_kv_heads

@@ -49,10 +49,6 @@ class KernelMath:
         result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
     return out
 
-  def mul_add(self, x, r, z):
-    """``x * r + z`` as written: each compiler may contract it into an fma (XLA does on GPU)."""
-    return x * r + z
-
   def recip(self, s):
     """``1 / s`` rounded to nearest (what XLA hoists out of ``x / broadcast(s)``)."""
     return self.div(jnp.ones_like(s), s)
@@ -108,16 +104,6 @@ def from_u8(x, dtype):
 def signbit_u8(x):
   """1 where float32 ``x`` has its sign bit set (also -0.0), else 0, as uint8."""
   return (jax.lax.bitcast_convert_type(x, _U32) >> _U32(31)).astype(jnp.uint8)
-
-
-def e2m1_encode_compare(y):
-  """float32 -> e2m1 code in [0, 15] (uint8) by comparing with the 7 code boundaries."""
-  a = jnp.abs(y)
-  code = jnp.zeros(y.shape, jnp.uint8)
-  for bound, tie_up in quant._E2M1_BOUNDS:   # pylint: disable=protected-access
-    hit = (a >= bound) if tie_up else (a > bound)
-    code = code + hit.astype(jnp.uint8)
-  return code | (signbit_u8(y) << jnp.uint8(3))
 
 
 def e2m1_encode(y):

@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 from kvjax import formats as F
 from kvjax import quant
 from kvjax.spec import KVCacheSpec
-from pallas_kernels import cache_update_math as M
+from pallas_kernels import common as M
 
 _I32 = jnp.int32
 
@@ -175,19 +175,21 @@ def _scales(spec: KVCacheSpec, k_scale, v_scale):
   return jnp.concatenate(out)
 
 
+def supports_read(spec: KVCacheSpec):
+  """Registry hook: the kernel dequantizes every cache format."""
+  del spec
+  return None
+
+
 def dequantize_pages(pages, spec: KVCacheSpec, k_scale=None, v_scale=None, *, interpret=False,
                      num_warps: int = 4):
   """Dequantized (K, V), float32 ``[P..., N, H, D]``, of physical pages ``[P..., *page]``.
 
   Same values (bit for bit) as ``kvjax.views.dequantize_pages``. ``k_scale``/``v_scale``:
-  fp8 per-tensor scales (scalar or ``[H]``) or nvfp4 global scales (scalar).
+  fp8 per-tensor scales (scalar or ``[H]``) or nvfp4 global scales (scalar). The ``read``
+  implementation "pallas" of ``kvjax.read_kv`` (arguments validated there).
   """
   fmt = spec.format
-  page_shape = spec.physical_shape(1)[1:]
-  if tuple(pages.shape[-3:]) != page_shape or pages.ndim < 4:
-    raise ValueError(f"pages must have shape [P..., {page_shape}], got {tuple(pages.shape)}")
-  if np.dtype(pages.dtype) != spec.storage_dtype:
-    raise TypeError(f"pages dtype {np.dtype(pages.dtype)} is not {spec.storage_dtype}")
   lead = tuple(pages.shape[:-3])
   num_pages = int(np.prod(lead))
   h, n, d = spec.num_kv_heads, spec.block_size, spec.head_size

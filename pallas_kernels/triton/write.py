@@ -44,7 +44,7 @@ from kvjax import formats as F
 from kvjax import quant
 from kvjax.slots import int32_slots
 from kvjax.spec import KVCacheSpec
-from pallas_kernels import cache_update_math as M
+from pallas_kernels import common as M
 
 _I32 = jnp.int32
 _MAX_ROWS = 2**31 - 1
@@ -210,8 +210,7 @@ def _encode_side(p: _Plan, mth: M.KernelMath, x_ref, scale_ref, src_row, h_ld, s
     r = mth.recip(scale)[:, None]
 
     def q(v):   # x * (1/scale) + zp: the compiler may contract it into an fma, as XLA's may
-      return jnp.clip(M.round_half_even(mth.mul_add(v, r, zp[:, None])), 0.0,
-                      15.0).astype(jnp.uint8)
+      return jnp.clip(M.round_half_even(v * r + zp[:, None]), 0.0, 15.0).astype(jnp.uint8)
 
     packed = q(xe) | (q(xo) << jnp.uint8(4))
     bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
@@ -298,6 +297,12 @@ def _nvfp4_kernel(p: _Plan, slots_ref, k_ref, v_ref, scale_ref, cache_in_ref, ou
 
 
 # -- entry point --------------------------------------------------------------------------------
+def supports_write(spec: KVCacheSpec):
+  """Registry hook: the kernel writes every cache format."""
+  del spec
+  return None
+
+
 def _global_scales(spec: KVCacheSpec, k_scale, v_scale):
   """float32 ``[2H]``: per-head K then V values the kernel reads (fp8 scales, nvfp4 1/scale)."""
   h = spec.num_kv_heads
