@@ -15,7 +15,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from kvjax import formats as F
+from kvjax import quant
 from kvjax.spec import KVCacheSpec
 
 #: Byte categories of a page, in :func:`page_byte_map` codes.
@@ -100,19 +100,19 @@ def page_byte_map(spec: KVCacheSpec) -> PageByteMap:
   nbytes = spec.page_bytes
   bmap = {"category": np.zeros(nbytes, np.int8), "head": np.full(nbytes, -1, np.int32),
           "token": np.full(nbytes, -1, np.int32)}
-  kind = spec.format.kind
-  if kind == F.NVFP4:
+  codec = spec.codec
+  if not codec.content_halves:          # nvfp4: head groups, each side [data | scales]
     for side, (cd, cs) in (("k", (K_DATA, K_SCALE)), ("v", (V_DATA, V_SCALE))):
       data, scale = spec.nvfp4_split_geometry(1, side)
       _mark(bmap, data, ("head", "token"), cd)
       _mark(bmap, scale, ("head", "token"), cs)
-    if spec.num_scales_per_row % 4 == 0:
+    if quant.nvfp4_v_scales_swizzled(spec.block_size, spec.num_scales_per_row):
       _unswizzle_v_scale_tokens(bmap, spec)
   else:
     kg, vg = spec.kv_view_geometry(1)
     _mark(bmap, kg, ("token", "head"), K_DATA, keep_last=spec.data_dim)
     _mark(bmap, vg, ("token", "head"), V_DATA, keep_last=spec.data_dim)
-    if kind == F.PER_TOKEN_HEAD:
+    if codec.has_row_scales:
       ks, vs = spec.scale_view_geometry(1)
       ks1 = dataclasses.replace(ks, shape=ks.shape + (1,), strides=ks.strides + (1,))
       vs1 = dataclasses.replace(vs, shape=vs.shape + (1,), strides=vs.strides + (1,))
@@ -124,7 +124,6 @@ def page_byte_map(spec: KVCacheSpec) -> PageByteMap:
 
 def _unswizzle_v_scale_tokens(bmap, spec: KVCacheSpec):
   """nvfp4 V scales are 4x4-swizzled per (head) tile: relabel each byte with its real token."""
-  from kvjax import quant
   n, s = spec.block_size, spec.num_scales_per_row
   idx = quant.nvfp4_v_swizzle_index(n, s)                 # flat tile position of (t, s)
   token_at = np.empty(n * s, np.int32)

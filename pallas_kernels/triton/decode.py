@@ -1,7 +1,7 @@
 """Paged decode attention over the packed cache: one query token per sequence (spec §6).
 
 Entry point :func:`paged_decode_attention`. The kernel
-(:mod:`pallas_kernels.decode_triton`) reads q and the physical cache directly (K
+(:mod:`pallas_kernels.triton.decode_kernel`) reads q and the physical cache directly (K
 and V of a token in the same step, dequantized in the kernel). With one split it
 writes the output itself; with several (few long sequences) this module merges
 the per-split partials and the sinks in XLA. Works under ``jax.jit``: ``seq_lens`` and
@@ -17,9 +17,10 @@ import jax.numpy as jnp
 
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
+from kvjax import quant
 from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits, default_config
-from pallas_kernels.triton.tiles import TileFormat
 from pallas_kernels.triton.decode_kernel import decode_call
+from pallas_kernels.triton.formats import TileFormat
 
 
 def static_or_none(x):
@@ -28,20 +29,13 @@ def static_or_none(x):
   return None if isinstance(x, jax.core.Tracer) else float(x)
 
 
-def _tensor_scales(spec: KVCacheSpec, k_scale, v_scale, scale=None):
-  """float32 ``[2, H]``: the k and v global scales per KV head (ones when the format has none);
-  ``[3, H]`` with the softmax scale in row 2 when ``scale`` (traced) is given."""
-  h = spec.num_kv_heads
-  rows = []
-  for sc in (k_scale, v_scale):
-    if sc is None or not spec.format.has_tensor_scales:
-      rows.append(jnp.ones((h,), jnp.float32))
-      continue
-    sc = jnp.asarray(sc, jnp.float32)
-    rows.append(jnp.broadcast_to(sc.reshape(-1) if sc.ndim else sc, (h,)))
-  if scale is not None:
-    rows.append(jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (h,)))
-  return jnp.stack(rows)
+def _kernel_scales(tf: TileFormat, k_scale, v_scale, scale=None):
+  """float32 ``[2, H]`` k / v global scales per KV head; ``[3, H]`` with the softmax scale in
+  row 2 when ``scale`` (traced) is given."""
+  ts = tf.tensor_scales(k_scale, v_scale)
+  if scale is None:
+    return ts
+  return jnp.concatenate([ts, quant.per_head_scales(scale, tf.num_heads)[None]])
 
 
 def merge_splits(acc, m, l, sinks, num_groups: int):
@@ -105,7 +99,7 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   res = decode_call(
       q.reshape(s, h, g, d), seq_of_row, jnp.asarray(seq_lens, jnp.int32),
       jnp.asarray(block_table, jnp.int32),
-      _tensor_scales(spec, k_scale, v_scale, None if static_scale is not None else scale),
+      _kernel_scales(tf, k_scale, v_scale, None if static_scale is not None else scale),
       sink_hg, cache.reshape(num_blocks, tf.page_elems), tf=tf, config=config,
       num_splits=splits,
       scale=static_scale, window=None if sliding_window is None else int(sliding_window),
