@@ -4,8 +4,8 @@ prefill group (TP=2) to a decode group (TP=4) with a different TP size and other
   python examples/disaggregated_transfer.py
 
 Prefill writes the prompt's K/V into a head-sharded cache (kvjax.sharding) on devices 0-1;
-the request's pages move per layer to per-rank decode caches on devices 2-5 by the spec §7
-read plans (kvjax.transfer); decode attention over the sharded decode cache is checked
+the request's pages move per layer to per-rank decode caches on devices 2-5 by read plans
+(kvjax.transfer; the rules are docs/layout.md §7); decode attention over the sharded decode cache is checked
 against the reference over one unsharded cache written directly. Runs in seconds on CPU.
 """
 import os

@@ -1,4 +1,4 @@
-"""Public paged attention: ``unified_attention`` (ragged prefill + decode, spec §6)."""
+"""Public paged attention: ``unified_attention`` (ragged prefill + decode, docs/layout.md §6)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Public cache writes and reads: ``write_kv`` and ``read_kv`` (spec §4, §5)."""
+"""Public cache writes and reads: ``write_kv`` and ``read_kv`` (docs/layout.md §4, §5)."""
 from __future__ import annotations
 
 import jax.numpy as jnp

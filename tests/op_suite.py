@@ -25,9 +25,11 @@ if TOY_BACKEND not in registry.ATTENTION.names():
   registry.ATTENTION.register(TOY_BACKEND, "toy_backend:unified_attention")
 
 
-def implementations(op: str):
-  """pytest params: one per implementation of ``op`` (names of ``kvjax.registry``)."""
-  return [pytest.param(name, id=name) for name in registry.REGISTRIES[op].names()]
+def implementations(op: str, but=()):
+  """pytest params: one per implementation of ``op`` (names of ``kvjax.registry``), except
+  those named in ``but``."""
+  return [pytest.param(name, id=name) for name in registry.REGISTRIES[op].names()
+          if name not in but]
 
 
 def run_mode(op: str, name: str) -> bool:

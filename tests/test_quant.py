@@ -1,4 +1,4 @@
-"""Quantization formulas (spec §5): the worked examples and independent numpy oracles."""
+"""Quantization formulas (docs/layout.md §5): the worked examples and independent numpy oracles."""
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -148,3 +148,17 @@ def test_eager_and_jit_store_the_same_bits(rng, name):
     f = lambda x: quant.quantize_per_token_head(x, fmt)
   for a, b in zip(f(x), jax.jit(f)(x)):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_nvfp4_flushes_tiny_groups_without_a_global_scale():
+  """docs/layout.md §5: with k_scale 1.0, a group whose amax is below 6 * 2**-10 (~0.006)
+  gets scale 0 (e4m3's smallest step is 2**-9) and reads back as zeros; a k_scale fixes it."""
+  x = np.zeros((2, 16), np.float32)
+  x[0, :] = np.linspace(-0.0055, 0.0055, 16)
+  x[1, :] = np.linspace(-0.0062, 0.0062, 16)
+  packed, sf = quant.quantize_nvfp4(jnp.asarray(x), None)
+  back = np.asarray(quant.dequantize_nvfp4(packed, sf, None))
+  assert not back[0].any() and np.abs(back[1]).max() > 0
+  packed, sf = quant.quantize_nvfp4(jnp.asarray(x), 0.001)
+  back = np.asarray(quant.dequantize_nvfp4(packed, sf, 0.001))
+  assert np.all(np.abs(back - x) <= np.abs(x).max(-1, keepdims=True) * 0.25 + 1e-9)

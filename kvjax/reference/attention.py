@@ -1,4 +1,4 @@
-"""Reference unified (ragged prefill + decode) paged attention, pure jnp (spec §6).
+"""Reference unified (ragged prefill + decode) paged attention, pure jnp (docs/layout.md §6).
 
 The oracle for every attention kernel: simple, float32 at HIGHEST precision,
 one query token at a time over its sequence's dequantized pages.

@@ -1,4 +1,4 @@
-"""Paged decode attention over the packed cache: one query token per sequence (spec §6).
+"""Paged decode attention over the packed cache: one query token per sequence.
 
 Entry point :func:`paged_decode_attention`. The kernel
 (:mod:`pallas_kernels.triton.decode_kernel`) reads q and the physical cache directly (K
