@@ -446,7 +446,7 @@ def main():
            "## 1. Compiled kernel == reference bytes", "",
            "Poisoned caches (random bytes), 100 tokens + 5 padding slots in random order; the "
            "reference is `kvjax.reference.cache_update.write_kv` under `jax.jit`, run on the GPU "
-           "and on the CPU; dequant = `pallas_kernels.dequant` vs `kvjax.views.dequantize_pages`"
+           "and on the CPU; dequant = `pallas_kernels.triton.dequant` vs `kvjax.views.dequantize_pages`"
            " over all 24 pages (poisoned ones included).", "",
            "| cache dtype | layout | H | D | N | variant | write bytes != ref (GPU) | "
            "write bytes != ref (CPU) | dequant elems != views (GPU) | dequant != views (CPU) |",

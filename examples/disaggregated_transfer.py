@@ -1,18 +1,31 @@
-"""Disaggregated prefill/decode on simulated CPU devices: a request's KV blocks move from a
-prefill group (TP=2) to a decode group (TP=4) with a different TP size and other block ids.
+"""Disaggregated prefill/decode across two processes on simulated CPU devices, over loopback.
 
   python examples/disaggregated_transfer.py
 
-Prefill writes the prompt's K/V into a head-sharded cache (kvjax.sharding) on devices 0-1;
-the request's pages move per layer to per-rank decode caches on devices 2-5 by read plans
-(kvjax.transfer; the rules are docs/layout.md §7); decode attention over the sharded decode cache is checked
-against the reference over one unsharded cache written directly. Runs in seconds on CPU.
+A prefill process (TP=2) writes two requests' prompt K/V into head-sharded caches and offers
+each layer's pages (kvjax.transfer.remote.offer_request). For each request it answers the
+router with the server address and one capability token per layer; the router forwards that
+message to the decode process (this one, TP=4), which pulls the pages by token into its own
+caches at its own block ids (pull_request, bounded by timeout_s).
+
+- Request 1: the pull succeeds; the decode side tells the prefill side (through the router)
+  that it is done, and the prefill side releases the offer at once instead of at its TTL.
+- Request 2: the prefill process dies after answering the router. The pull raises
+  TimeoutError, the decode caches stay as they were, and the decode side recomputes the
+  request's prefill itself.
+Both requests' decode attention is checked against attention over one unsharded cache
+written directly. See docs/transfers.md for the trust model.
 """
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import json  # noqa: E402
+import selectors  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -21,76 +34,157 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import kvjax  # noqa: E402
-import kvjax.transfer  # noqa: E402
 from kvjax import sharding as KS  # noqa: E402
+from kvjax.transfer import remote  # noqa: E402
 
 H, HQ, D, N = 4, 16, 64, 16            # KV heads, query heads, head size, block size
-P_TP, D_TP, LAYERS = 2, 4, 2
+P_TP, D_TP, LAYERS, BLOCKS = 2, 4, 2, 8
 PROMPT = 45                            # tokens: 3 blocks, the last partial
 LAYOUT, CACHE_DTYPE = "HND", "fp8_per_token_head"
+SRC_BLOCKS, DST_BLOCKS = np.array([5, 0, 3]), np.array([2, 7, 4])
+PULL_TIMEOUT_S, OFFER_TTL_S = 5.0, 60.0
+SPEC = kvjax.KVCacheSpec(H, D, N, cache_dtype=CACHE_DTYPE, layout=LAYOUT)   # global spec
+
+
+def slots(block_ids):
+  pos = np.arange(PROMPT)
+  return jnp.asarray(block_ids[pos // N] * N + pos % N, jnp.int32)
+
+
+def prompt_kv(request_id, layer):
+  """The model's prefill stand-in: a request's K and V of one layer, ``[PROMPT, H, D]`` each."""
+  g = np.random.default_rng(1000 * request_id + layer)
+  return (jnp.asarray(g.standard_normal((PROMPT, H, D)), jnp.bfloat16),
+          jnp.asarray(g.standard_normal((PROMPT, H, D)), jnp.bfloat16))
+
+
+# -- prefill process --------------------------------------------------------------------------
+def prefill_process():
+  """Serves the router's lines on stdin: ``{"prefill": id}`` and ``{"done": id}``."""
+  signal.alarm(120)   # never outlive the example
+  server = remote.start_server()   # 127.0.0.1; another host needs allow_remote=True
+  mesh = Mesh(np.asarray(jax.devices()[:P_TP]), ("tp",))
+  offers = {}
+  for line in sys.stdin:   # EOF ends the process
+    cmd = json.loads(line)
+    if "prefill" in cmd:
+      request_id, tokens = cmd["prefill"], []
+      for layer in range(LAYERS):
+        cache = SPEC.allocate(BLOCKS, sharding=KS.cache_sharding(mesh, SPEC))
+        cache = KS.sharded_write_kv(cache, *prompt_kv(request_id, layer), slots(SRC_BLOCKS),
+                                    SPEC, mesh)
+        offer = remote.offer_request(server, KS.rank_caches(cache, SPEC, mesh), SRC_BLOCKS,
+                                     ttl_s=OFFER_TTL_S)
+        offers.setdefault(request_id, []).append(offer)
+        tokens.append(offer.token)
+      # The answer to the router: where the pages are and the capabilities to take them.
+      answer = {"request_id": request_id, "address": server.address(), "tokens": tokens,
+                "remote_tp_size": P_TP, "num_pages": len(SRC_BLOCKS)}
+    else:   # the decode side is done with the request: free its pages now, not at the TTL
+      for offer in offers.pop(cmd["done"], []):
+        offer.release()
+      answer = {"live_offers": remote.live_offers().count}
+    print(json.dumps(answer), flush=True)
+
+
+# -- decode process (and the router's part) ---------------------------------------------------
+def pull_layers(server, msg, rank_spec, devices):
+  """Every layer's pages of a request into fresh per-rank decode caches (TimeoutError/PullError
+  if the prefill side cannot deliver)."""
+  layers = []
+  for token in msg["tokens"]:
+    caches = [jax.device_put(rank_spec.allocate(BLOCKS), d) for d in devices]
+    caches, _ = remote.pull_request(server, msg["address"], caches, rank_spec, DST_BLOCKS,
+                                    token=token, remote_tp_size=msg["remote_tp_size"],
+                                    total_num_kv_heads=H, timeout_s=PULL_TIMEOUT_S)
+    layers.append(caches)
+  return layers
+
+
+def recompute_prefill(request_id, mesh):
+  """Fallback: run the request's prefill on the decode side, into its own block ids."""
+  caches = []
+  for layer in range(LAYERS):
+    cache = SPEC.allocate(BLOCKS, sharding=KS.cache_sharding(mesh, SPEC))
+    cache = KS.sharded_write_kv(cache, *prompt_kv(request_id, layer), slots(DST_BLOCKS), SPEC, mesh)
+    caches.append(KS.rank_caches(cache, SPEC, mesh))
+  return caches
+
+
+def check_attention(request_id, layers, mesh):
+  """Decode attention over the sharded decode cache vs one unsharded cache written directly."""
+  q = jnp.asarray(np.random.default_rng(request_id).standard_normal((1, HQ, D)), jnp.bfloat16)
+  meta = dict(query_start_loc=jnp.array([0, 1]), seq_lens=jnp.array([PROMPT]),
+              block_table=jnp.asarray([DST_BLOCKS]), scale=D ** -0.5)
+  worst = 0.0
+  for layer, rank_caches in enumerate(layers):
+    cache = KS.from_rank_caches(rank_caches, SPEC, mesh)
+    out = KS.sharded_unified_attention(q, cache, SPEC, mesh, **meta)
+    direct = kvjax.write_kv(SPEC.allocate(BLOCKS), *prompt_kv(request_id, layer),
+                            slots(DST_BLOCKS), SPEC)
+    ref = kvjax.unified_attention(q, direct, SPEC, impl="reference", **meta)
+    worst = max(worst, float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))))
+    same = np.array_equal(np.asarray(cache).view(np.uint8), np.asarray(direct).view(np.uint8))
+    assert same and worst == 0.0, (request_id, layer, same, worst)
+  return worst
+
+
+def ask(proc, cmd, timeout_s):
+  """Send a JSON line to a child process (unbuffered pipes); its JSON answer, or None if none
+  comes within ``timeout_s``."""
+  proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+  with selectors.DefaultSelector() as sel:
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout=timeout_s):
+      return None
+  line = proc.stdout.readline()
+  return json.loads(line) if line else None
 
 
 def main():
   devs = jax.devices()
-  rng = np.random.default_rng(0)
-  spec = kvjax.KVCacheSpec(H, D, N, cache_dtype=CACHE_DTYPE, layout=LAYOUT)   # global spec
-  prefill_mesh = Mesh(np.asarray(devs[:P_TP]), ("tp",))
-  decode_mesh = Mesh(np.asarray(devs[P_TP:P_TP + D_TP]), ("tp",))
-  decode_rank_spec = KS.shard_spec(spec, D_TP)
-  src_blocks, dst_blocks = np.array([5, 0, 3]), np.array([2, 7, 4])
-  pos = np.arange(PROMPT)
-  src_slots = jnp.asarray(src_blocks[pos // N] * N + pos % N, jnp.int32)
-
-  k = jnp.asarray(rng.standard_normal((LAYERS, PROMPT, H, D)), jnp.bfloat16)
-  v = jnp.asarray(rng.standard_normal((LAYERS, PROMPT, H, D)), jnp.bfloat16)
-  q = jnp.asarray(rng.standard_normal((1, HQ, D)), jnp.bfloat16)   # the next decode token
-  meta = dict(query_start_loc=jnp.array([0, 1]), seq_lens=jnp.array([PROMPT]),
-              block_table=jnp.asarray([dst_blocks]), scale=D ** -0.5)
-
-  print(f"prefill TP={P_TP} on {devs[:P_TP]}, decode TP={D_TP} on {devs[P_TP:P_TP + D_TP]}")
-  print(f"cache {CACHE_DTYPE} {LAYOUT}, H={H} KV heads (decode rank holds {H // D_TP}), "
-        f"page {decode_rank_spec.page_bytes} B local / "
-        f"{KS.shard_spec(spec, P_TP).page_bytes} B remote")
-  for r in range(D_TP):
-    reads = kvjax.transfer.plan_reads(decode_rank_spec, tp_rank=r, tp_size=D_TP,
-                                      remote_tp_size=P_TP, total_num_kv_heads=H)
-    print(f"  decode rank {r}: {reads}")
-  descs = kvjax.transfer.descriptors(decode_rank_spec, num_blocks=8, num_regions=LAYERS,
-                                     block_ids=dst_blocks, remote_block_ids=src_blocks,
-                                     tp_rank=0, tp_size=D_TP, remote_tp_size=P_TP,
-                                     total_num_kv_heads=H)
-  print(f"  descriptors of decode rank 0 over {LAYERS} layers: {len(descs)}")
-
-  worst, moved, t_move = 0.0, 0, 0.0
-  for layer in range(LAYERS):
-    # Prefill: write the prompt into the head-sharded prefill cache.
-    pcache = spec.allocate(8, sharding=KS.cache_sharding(prefill_mesh, spec))
-    pcache = KS.sharded_write_kv(pcache, k[layer], v[layer], src_slots, spec, prefill_mesh)
-    # Transfer: per-rank prefill shards -> per-rank decode caches, other block ids.
-    dcaches = [jax.device_put(decode_rank_spec.allocate(8), d)
-               for d in devs[P_TP:P_TP + D_TP]]
-    t0 = time.perf_counter()
-    dcaches = kvjax.transfer.transfer_blocks(KS.rank_caches(pcache, spec, prefill_mesh), dcaches,
-                                             decode_rank_spec, src_blocks, dst_blocks,
-                                             total_num_kv_heads=H)
-    jax.block_until_ready(dcaches)
-    t_move += time.perf_counter() - t0
-    moved += D_TP * len(dst_blocks) * decode_rank_spec.page_bytes
-    # Decode: attention over the sharded decode cache vs one unsharded cache written directly.
-    dcache = KS.from_rank_caches(dcaches, spec, decode_mesh)
-    out = KS.sharded_unified_attention(q, dcache, spec, decode_mesh, **meta)
-    dst_slots = jnp.asarray(dst_blocks[pos // N] * N + pos % N, jnp.int32)
-    direct = kvjax.write_kv(spec.allocate(8), k[layer], v[layer], dst_slots, spec)
-    ref = kvjax.unified_attention(q, direct, spec, impl="reference", **meta)
-    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-    same_bytes = np.array_equal(np.asarray(dcache).view(np.uint8), np.asarray(direct).view(np.uint8))
-    print(f"layer {layer}: decode cache byte-exact vs direct write: {same_bytes}; "
-          f"attention max |err| = {err:.3g}")
-    worst = max(worst, err)
-    assert same_bytes and err == 0.0
-  print(f"moved {moved} bytes ({LAYERS} layers x {D_TP} ranks x {len(dst_blocks)} pages) in "
-        f"{t_move * 1e3:.1f} ms (CPU, compile included); worst attention error {worst}")
+  mesh = Mesh(np.asarray(devs[:D_TP]), ("tp",))
+  rank_spec = KS.shard_spec(SPEC, D_TP)
+  server = remote.start_server()
+  print(f"prefill TP={P_TP} (another process) -> decode TP={D_TP} on {devs[:D_TP]}")
+  print(f"cache {CACHE_DTYPE} {LAYOUT}, H={H} KV heads, page {rank_spec.page_bytes} B local / "
+        f"{KS.shard_spec(SPEC, P_TP).page_bytes} B remote; decode ranks read prefill ranks "
+        f"{remote.needed_remote_ranks(D_TP, P_TP, H)}")
+  prefill = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--prefill"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+  try:
+    for request_id in (1, 2):
+      msg = ask(prefill, {"prefill": request_id}, 120)   # the router sends the prompt
+      assert msg is not None and msg["request_id"] == request_id, msg
+      print(f"request {request_id}: router got address {msg['address']} and {len(msg['tokens'])} "
+            f"tokens of {len(msg['tokens'][0])} hex digits (not shown: they are capabilities)")
+      if request_id == 2:
+        prefill.kill()   # the prefill process dies before the decode side pulls
+        prefill.wait(timeout=10)
+        print("request 2: prefill process killed before the pull")
+      t0 = time.monotonic()
+      try:
+        layers = pull_layers(server, msg, rank_spec, devs[:D_TP])
+        how = f"pulled {LAYERS} layers in {time.monotonic() - t0:.2f} s"
+        live = ask(prefill, {"done": request_id}, 30)   # via the router
+        how += f"; prefill side released them (live offers there now: {live['live_offers']})"
+      except (TimeoutError, remote.PullError) as e:
+        how = (f"pull failed after {time.monotonic() - t0:.1f} s ({type(e).__name__}); "
+               "recomputed the prefill on the decode side")
+        layers = recompute_prefill(request_id, mesh)
+      worst = check_attention(request_id, layers, mesh)
+      print(f"request {request_id}: {how}")
+      print(f"request {request_id}: decode cache byte-exact vs direct write, attention max |err| = "
+            f"{worst:.3g}")
+  finally:
+    if prefill.poll() is None:
+      prefill.kill()
+      prefill.wait(timeout=10)
+  print("OK")
 
 
 if __name__ == "__main__":
-  main()
+  if sys.argv[1:] == ["--prefill"]:
+    prefill_process()
+  else:
+    main()

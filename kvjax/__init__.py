@@ -12,7 +12,7 @@ from kvjax.spec import (KVCacheSpec, LAYOUTS, MLACacheSpec, ViewGeometry, get_kv
                         get_kv_cache_stride_order, get_mla_kv_cache_shape)
 from kvjax.views import (dequantize_pages, kv_scale_views, kv_views, nvfp4_sides,
                          nvfp4_split_data_scale, token_major)
-from kvjax import dispatch, reference, registry, sharding, transfer  # noqa: F401
+from kvjax import reference, registry, sharding, transfer
 from kvjax.sharding import cache_sharding, sharded_unified_attention, sharded_write_kv
 from kvjax.transfer import plan_reads, transfer_blocks
 
@@ -27,3 +27,9 @@ __all__ = [
     "token_major", "reference", "transfer", "sharding", "cache_sharding", "sharded_write_kv",
     "sharded_unified_attention", "plan_reads", "transfer_blocks",
 ]
+
+from kvjax import paging  # noqa: E402
+from kvjax.paging import (BlockAllocator, BlockTables, OutOfBlocksError, StepMetadata,  # noqa: E402
+                          StepShapes, build_step_metadata, slot_mapping)
+__all__ += ["paging", "BlockAllocator", "BlockTables", "OutOfBlocksError", "StepShapes",
+            "StepMetadata", "build_step_metadata", "slot_mapping"]

@@ -1,8 +1,6 @@
 """Public paged attention: ``unified_attention`` (ragged prefill + decode, docs/layout.md §6)."""
 from __future__ import annotations
 
-import numpy as np
-
 from kvjax import registry
 from kvjax import validation as V
 from kvjax.spec import KVCacheSpec
@@ -10,25 +8,23 @@ from kvjax.spec import KVCacheSpec
 
 def check_attention_args(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens, block_table,
                          sliding_window, soft_cap, sinks, max_query_len=None):
+  """Every check of :func:`unified_attention`'s arguments but the scales; the metadata
+  values too when concrete. Returns (query_start_loc, seq_lens, block_table) as arrays."""
   sl, bt = V.check_attention_inputs(q, cache, spec, seq_lens, block_table, sliding_window,
                                     soft_cap, sinks)
   qsl = V.check_int_array("query_start_loc", query_start_loc, 1)
   if qsl.shape[0] != sl.shape[0] + 1:
     raise ValueError(f"query_start_loc [S+1] and seq_lens [S] disagree on S: {qsl.shape}, "
                      f"{sl.shape}")
-  if max_query_len is not None:
-    if not isinstance(max_query_len, int) or max_query_len < 1:
-      raise ValueError(f"max_query_len must be a positive Python int or None, got "
-                       f"{max_query_len!r}")
-    if V.is_concrete(qsl) and qsl.size > 1:
-      longest = int(np.max(np.diff(np.asarray(qsl))))
-      if longest > max_query_len:
-        raise ValueError(f"a sequence has {longest} query tokens > max_query_len={max_query_len}")
-  if V.is_concrete(sl) and V.is_concrete(bt) and sl.size:
-    cap = bt.shape[1] * spec.block_size
-    if int(np.max(np.asarray(sl))) > cap:
-      raise ValueError(f"a seq_len exceeds block_table capacity {bt.shape[1]} blocks x "
-                       f"{spec.block_size} = {cap}")
+  if max_query_len is not None and (isinstance(max_query_len, bool) or
+                                    not isinstance(max_query_len, int) or max_query_len < 1):
+    raise ValueError(f"max_query_len must be a positive Python int or None, got "
+                     f"{max_query_len!r}")
+  values = [V.host_values(x) for x in (qsl, sl, bt)]
+  if all(v is not None for v in values):
+    V.check_attention_metadata(*values, num_tokens=q.shape[0], num_blocks=cache.shape[0],
+                               block_size=spec.block_size, max_query_len=max_query_len)
+  return tuple(V.as_jax_int32(x) for x in (qsl, sl, bt))
 
 
 def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
@@ -47,8 +43,10 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
       ``kvjax.explain("attention", spec)`` says which implementation runs and why.
   Returns ``[T, Hq, D]`` in q's dtype.
   """
-  check_attention_args(q, cache, spec, query_start_loc, seq_lens, block_table, sliding_window,
-                       soft_cap, sinks, max_query_len)
+  query_start_loc, seq_lens, block_table = check_attention_args(
+      q, cache, spec, query_start_loc, seq_lens, block_table, sliding_window, soft_cap, sinks,
+      max_query_len)
+  V.check_softmax_scale(scale)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
   run = registry.ATTENTION.choose(impl, interpret, spec, q.dtype)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax import registry
 from kvjax import validation as V
@@ -25,7 +24,7 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   Pure: under ``jax.jit`` with the cache donated, the write happens in place.
   Quantize-on-write for every cache dtype; blocks not named by a slot are untouched.
   """
-  num_blocks = spec.num_blocks_of(cache)
+  num_blocks = V.check_cache(spec, cache)
   slot_mapping = V.check_slots(slot_mapping, num_blocks * spec.block_size)
   V.check_kv_tokens(spec, key, value, slot_mapping.shape[0])
   V.check_scales(spec, k_scale, v_scale)
@@ -38,19 +37,23 @@ def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl
             interpret=None):
   """Dequantized K and V of the given slots: two float32 ``[len(slots), H, D]`` arrays.
 
+  slots: int ``[T]`` in ``[0, num_blocks * block_size)``: checked when concrete
+  (ValueError); traced slots outside that range read as NaN rows.
   ``impl`` / ``interpret`` pick the dequantize step from ``kvjax.registry.READ`` (as
   :func:`write_kv` does): the pages of the slots are gathered, dequantized, and each slot's
-  row taken."""
-  num_blocks = spec.num_blocks_of(cache)
-  slots = V.check_slots(slots, num_blocks * spec.block_size)
-  if V.is_concrete(slots) and slots.size and int(np.min(np.asarray(slots))) < 0:
-    raise ValueError("read_kv slots must be non-negative")
+  row taken.
+  """
+  num_blocks = V.check_cache(spec, cache)
+  num_slots = num_blocks * spec.block_size
+  slots = V.check_slots(slots, num_slots, name="slots", negative_ok=False)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
   run = registry.READ.choose(impl, interpret, spec)
-  slots = slots.astype(jnp.int32)
+  valid = (slots >= 0) & (slots < num_slots)
+  slots = jnp.where(valid, slots, 0)
   pages = cache[slots // spec.block_size]
   k, v = run(pages, spec, k_scale=k_scale, v_scale=v_scale)    # [T, N, H, D]
   t = jnp.arange(slots.shape[0])
   off = slots % spec.block_size
-  return k[t, off], v[t, off]
+  nan_rows = lambda x: jnp.where(valid[:, None, None], x[t, off], jnp.nan)
+  return nan_rows(k), nan_rows(v)

@@ -94,6 +94,11 @@ def per_head_scales(scale, num_heads: int):
   return jnp.broadcast_to(s.reshape(-1) if s.ndim else s, (num_heads,))
 
 
+def per_head_scale(scale, num_heads: int):
+  """:func:`per_head_scales` shaped ``[H, 1]`` (pallas_kernels.mosaic_tpu's name for it)."""
+  return per_head_scales(scale, num_heads)[:, None]
+
+
 # -- fp8 per tensor --------------------------------------------------------------------------
 def quantize_fp8_per_tensor(x, scale, fp8_dtype):
   """``x [..., H, D]`` -> fp8 ``x / scale`` (scale: None, scalar or ``[H]``), saturated."""

@@ -226,6 +226,16 @@ ATTENTION.register("pallas", f"{_TRITON}.attention:unified_attention",
 READ.register("pallas", f"{_TRITON}.dequant:dequantize_pages",
               supports=f"{_TRITON}.dequant:supports_read", platforms=("gpu",),
               interpretable=True, aliases=("triton",))
+# Mosaic GPU (Hopper): after the Triton kernels, so auto keeps those until a measured rule
+# (in its supports function) says where Mosaic GPU is faster; impl="mosaic_gpu" runs it.
+ATTENTION.register("mosaic_gpu", "pallas_kernels.mosaic_gpu:ragged_paged_attention",
+                   supports="pallas_kernels.mosaic_gpu:supports_attention", platforms=("gpu",))
+WRITE.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:write_kv",
+               supports="pallas_kernels.mosaic_tpu:supports_write", platforms=("tpu",),
+               interpretable=True)
+ATTENTION.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:ragged_paged_attention",
+                   supports="pallas_kernels.mosaic_tpu:supports_attention", platforms=("tpu",),
+                   interpretable=True)
 WRITE.register("reference", "kvjax.reference.cache_update:write_kv")
 ATTENTION.register("reference", "kvjax.reference.attention:unified_attention")
 READ.register("reference", "kvjax.views:dequantize_pages")

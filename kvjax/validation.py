@@ -1,4 +1,17 @@
-"""Argument checks shared by the public ops: clear errors, raised before anything runs."""
+"""Argument checks shared by the public ops: clear errors, raised before anything runs.
+
+What each argument may be:
+- ``cache``: a ``jax.Array`` (the spec's physical array). A numpy cache is refused: it
+  would be copied to the device on every call and could never be written in place.
+- ``key``, ``value``, ``q``: ``jax.Array`` or ``numpy.ndarray``.
+- integer metadata (``slot_mapping``, ``slots``, ``query_start_loc``, ``seq_lens``,
+  ``block_table``): ``jax.Array``, ``numpy.ndarray`` or a (nested) Python list/tuple of
+  ints, everywhere alike.
+- torch tensors are refused with a pointer to ``torch_bridge``.
+
+Values are checked on the host when they are concrete (not traced under ``jit``): a
+concrete ``jax.Array`` is read back once per call, numpy and lists cost nothing.
+"""
 from __future__ import annotations
 
 import jax
@@ -6,7 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import formats as F
+from kvjax.slots import int32_slots
 from kvjax.spec import KVCacheSpec
+
+_I32 = np.iinfo(np.int32)
+_ARRAYS = (jax.Array, np.ndarray)
+_REAL_SCALARS = (int, float, np.integer, np.floating)
 
 
 def is_concrete(x) -> bool:
@@ -18,8 +36,44 @@ def is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def check_int_array(name, x, ndim):
-  x = jnp.asarray(x) if not hasattr(x, "dtype") else x
+def host_values(x):
+  """``x`` as a numpy array when concrete, else None (traced under jit)."""
+  return np.asarray(x) if is_concrete(x) else None
+
+
+def _what(x) -> str:
+  """How to name a wrong argument in a message: its type, and a hint for torch tensors."""
+  name = type(x).__name__
+  if type(x).__module__.split(".")[0] == "torch":
+    return (f"torch.{name} (kvjax takes JAX arrays: import torch tensors with "
+            "torch_bridge.from_torch or jax.dlpack.from_dlpack, or call "
+            "torch_bridge.PagedAttentionBackend)")
+  if isinstance(x, str):
+    return f"str {x!r}"
+  return name
+
+
+def check_array(name: str, x, what: str = "array"):
+  """``x`` must be a ``jax.Array`` or ``numpy.ndarray`` (TypeError naming ``name``)."""
+  if not isinstance(x, _ARRAYS):
+    raise TypeError(f"{name} must be a jax.Array or numpy.ndarray ({what}), got {_what(x)}")
+  return x
+
+
+def check_int_array(name: str, x, ndim: int):
+  """An integer array of ``ndim`` dims: jax/numpy arrays as given, lists read as numpy."""
+  if isinstance(x, (list, tuple)):
+    if not all(is_concrete(leaf) for leaf in jax.tree_util.tree_leaves(x)):
+      x = jnp.asarray(x)        # a list passed through jit: its leaves are traced
+    else:
+      try:
+        arr = np.asarray(x)
+      except ValueError as e:
+        raise ValueError(f"{name} must be a rectangular list of ints: {e}") from None
+      x = arr.astype(np.int32) if arr.size == 0 else arr
+  elif not isinstance(x, _ARRAYS):
+    raise TypeError(f"{name} must be an integer jax.Array, numpy array or list of ints, got "
+                    f"{_what(x)}")
   if x.ndim != ndim:
     raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
   if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -27,10 +81,42 @@ def check_int_array(name, x, ndim):
   return x
 
 
+def saturate_int32(x):
+  """``x`` as int32, values beyond int32's range clamped to its ends (never wrapped)."""
+  dt = np.dtype(x.dtype)
+  if dt == np.int32:
+    return x
+  xp = np if isinstance(x, np.ndarray) else jnp
+  info = np.iinfo(dt)
+  if info.max > _I32.max:
+    x = xp.minimum(x, dt.type(_I32.max))
+  if info.min < _I32.min:
+    x = xp.maximum(x, dt.type(_I32.min))
+  return x.astype(np.int32)
+
+
+def as_jax_int32(x):
+  """A checked integer array for the kernels: numpy (or list) values become an int32
+  ``jax.Array`` (saturated, never wrapped); jax arrays and tracers pass unchanged."""
+  return jnp.asarray(saturate_int32(x)) if isinstance(x, np.ndarray) else x
+
+
+def check_cache(spec: KVCacheSpec, cache) -> int:
+  """``spec`` a KVCacheSpec and ``cache`` its physical ``jax.Array``; returns num_blocks."""
+  if not isinstance(spec, KVCacheSpec):
+    raise TypeError(f"spec must be a KVCacheSpec, got {_what(spec)}")
+  if not isinstance(cache, jax.Array):
+    hint = " (wrap it once with jnp.asarray)" if isinstance(cache, np.ndarray) else ""
+    raise TypeError(f"cache must be a jax.Array (the spec's physical array), got "
+                    f"{_what(cache)}{hint}")
+  return spec.num_blocks_of(cache)
+
+
 def check_kv_tokens(spec: KVCacheSpec, key, value, num_tokens: int):
   """key, value ``[T', H, D]`` in the spec's model dtype with ``T' >= num_tokens``."""
   want = (spec.num_kv_heads, spec.head_size)
   for name, x in (("key", key), ("value", value)):
+    check_array(name, x, f"[T, {want[0]}, {want[1]}] of {spec.dtype}")
     if x.ndim != 3 or tuple(x.shape[1:]) != want:
       raise ValueError(f"{name} must have shape [T, {want[0]}, {want[1]}] (num_kv_heads, "
                        f"head_size), got {tuple(x.shape)}")
@@ -41,31 +127,77 @@ def check_kv_tokens(spec: KVCacheSpec, key, value, num_tokens: int):
                        f"{num_tokens}")
 
 
-def check_slots(slot_mapping, num_slots: int):
-  """slot_mapping: int ``[T]``; every non-negative slot < num_slots (checked when concrete)."""
-  slot_mapping = check_int_array("slot_mapping", slot_mapping, 1)
-  if is_concrete(slot_mapping) and slot_mapping.size:
-    hi = int(np.max(np.asarray(slot_mapping)))
-    if hi >= num_slots:
-      raise ValueError(f"slot_mapping holds slot {hi} >= num_blocks * block_size = {num_slots}")
-  return slot_mapping
+def check_slot_values(name: str, slots: np.ndarray, num_slots: int, negative_ok: bool):
+  """Host check of slot numbers: each ``< num_slots`` (and ``>= 0`` unless ``negative_ok``)."""
+  if not slots.size:
+    return
+  i = int(np.argmax(slots))
+  if slots[i] >= num_slots:
+    raise ValueError(f"{name}[{i}] = {slots[i]} is past the cache: slots must be < "
+                     f"num_blocks * block_size = {num_slots}")
+  i = int(np.argmin(slots))
+  if not negative_ok and slots[i] < 0:
+    raise ValueError(f"{name} must be non-negative (read_kv reads slots in [0, {num_slots})), "
+                     f"got {name}[{i}] = {slots[i]}")
+
+
+def check_slots(slot_mapping, num_slots: int, name: str = "slot_mapping",
+                negative_ok: bool = True):
+  """Integer ``[T]`` slots, checked when concrete, returned as int32 without wrapping.
+
+  Negative = skip (when ``negative_ok``). Wider integers are narrowed *after* the check
+  (:func:`kvjax.slots.int32_slots`), so -(2**32) + 5 stays a skip.
+  """
+  x = check_int_array(name, slot_mapping, 1)
+  vals = host_values(x)
+  if vals is not None:
+    check_slot_values(name, vals, num_slots, negative_ok)
+  return int32_slots(x, num_slots)
+
+
+def _check_scale_type(name: str, s):
+  """A global or softmax scale: a real number or a numeric array (lists read as numpy)."""
+  if isinstance(s, (list, tuple)):
+    s = np.asarray(s)
+  if isinstance(s, bool) or not isinstance(s, _REAL_SCALARS + _ARRAYS):
+    raise TypeError(f"{name} must be a float or a float array, got {_what(s)}")
+  if np.dtype(s.dtype if hasattr(s, "dtype") else type(s)).kind not in "fiu":
+    raise TypeError(f"{name} must be a float or a float array, got dtype "
+                    f"{np.dtype(s.dtype)}")
+  return s
+
+
+def _bad_entry(name: str, values: np.ndarray, bad: np.ndarray) -> str:
+  """``name = v`` for a scalar, ``name[i] = v`` for the first bad entry of an array."""
+  if values.size == 1:
+    return f"{name} = {values.reshape(()).item()}"
+  i = int(np.flatnonzero(bad.reshape(-1))[0])
+  return f"{name}[{i}] = {values.reshape(-1)[i]}"
 
 
 def check_scales(spec: KVCacheSpec, k_scale, v_scale):
-  """Global scales: scalars (or [H] for fp8 per-tensor), only for formats that use them."""
+  """Global scales: finite positive scalars (or [H] for fp8 per-tensor).
+
+  Formats without global scales (plain, per-token-head) ignore them, as vLLM passes
+  its default 1.0 to every backend; only their type is checked there.
+  """
   fmt = spec.format
   for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
     if s is None:
       continue
-    shape = tuple(jnp.shape(s))
+    s = _check_scale_type(name, s)
     if not fmt.has_tensor_scales:
-      continue  # accepted and ignored, as vLLM passes them to every backend
+      continue
+    shape = tuple(np.shape(s))
     allowed = [()] + ([(spec.num_kv_heads,)] if fmt.kind == F.FP8_PER_TENSOR else [])
     if shape not in allowed and shape != (1,):
       raise ValueError(f"{name} must be a scalar{' or shape [H]' if len(allowed) > 1 else ''} "
                        f"for cache_dtype={spec.cache_dtype!r}, got shape {shape}")
-    if is_concrete(s) and not bool(np.all(np.asarray(s) > 0)):
-      raise ValueError(f"{name} must be positive")
+    vals = host_values(s)
+    if vals is not None:
+      bad = ~(np.isfinite(vals) & (vals > 0))
+      if bad.any():
+        raise ValueError(f"{name} must be finite and positive, got {_bad_entry(name, vals, bad)}")
 
 
 def normalize_scale(s):
@@ -73,6 +205,26 @@ def normalize_scale(s):
     return None
   s = jnp.asarray(s, jnp.float32)
   return s.reshape(()) if s.shape == (1,) else s
+
+
+def check_softmax_scale(scale):
+  """The softmax scale: a finite real number (checked when concrete)."""
+  scale = _check_scale_type("scale", scale)
+  vals = host_values(scale)
+  if vals is not None:
+    if vals.shape != ():
+      raise ValueError(f"scale must be a scalar, got shape {vals.shape}")
+    if not np.isfinite(vals):
+      raise ValueError(f"scale must be finite, got scale = {vals.item()}")
+
+
+def check_soft_cap(soft_cap):
+  """The logit soft cap: None or a finite positive number (checked when concrete)."""
+  if soft_cap is None:
+    return
+  cap = host_values(_check_scale_type("soft_cap", soft_cap))
+  if cap is not None and not (cap.shape == () and np.isfinite(cap) and cap > 0):
+    raise ValueError(f"soft_cap must be a finite positive number or None, got {soft_cap!r}")
 
 
 def check_impl(impl: str):
@@ -83,10 +235,9 @@ def check_impl(impl: str):
 def check_attention_inputs(q, cache, spec: KVCacheSpec, seq_lens, block_table, sliding_window,
                            soft_cap, sinks):
   """Checks shared by every attention entry: q ``[T, Hq, D]``, the cache, seq_lens ``[S]``,
-  block_table ``[S, M]``, and the static options."""
-  if not isinstance(spec, KVCacheSpec):
-    raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
-  spec.num_blocks_of(cache)
+  block_table ``[S, M]``, and the static options. Returns (seq_lens, block_table) as arrays."""
+  check_cache(spec, cache)
+  check_array("q", q, "[T, Hq, D] floating point")
   if q.ndim != 3:
     raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
   _, hq, d = q.shape
@@ -106,8 +257,55 @@ def check_attention_inputs(q, cache, spec: KVCacheSpec, seq_lens, block_table, s
                                      not isinstance(sliding_window, (int, np.integer)) or
                                      sliding_window <= 0):
     raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-  if soft_cap is not None and not float(soft_cap) > 0:
-    raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
+  check_soft_cap(soft_cap)
   if sinks is not None and tuple(jnp.shape(sinks)) != (hq,):
     raise ValueError(f"sinks must have shape [{hq}] (one per query head), got {jnp.shape(sinks)}")
   return sl, bt
+
+
+def check_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                             block_table: np.ndarray, *, num_tokens: int, num_blocks: int,
+                             block_size: int, max_query_len=None):
+  """Host check of concrete attention metadata (numpy ``[S+1]``, ``[S]``, ``[S, M]``).
+
+  query_start_loc starts at 0, never decreases and ends at most at ``num_tokens``;
+  each sequence's KV length is at least its query length and fits its block-table
+  row; ``max_query_len`` bounds every query length; every block id a sequence uses
+  (its first ``cdiv(seq_len, block_size)`` entries) is in ``[0, num_blocks)``.
+  """
+  qsl, sl, bt = query_start_loc, seq_lens, block_table
+  num_seqs = sl.shape[0]
+  if qsl[0] != 0:
+    raise ValueError(f"query_start_loc must start at 0, got query_start_loc[0] = {qsl[0]}")
+  q_lens = np.diff(qsl)
+  if (q_lens < 0).any():
+    i = int(np.flatnonzero(q_lens < 0)[0])
+    raise ValueError(f"query_start_loc must not decrease, got query_start_loc[{i}] = {qsl[i]} > "
+                     f"query_start_loc[{i + 1}] = {qsl[i + 1]}")
+  if qsl[-1] > num_tokens:
+    raise ValueError(f"query_start_loc[{num_seqs}] = {qsl[-1]} is past the {num_tokens} query "
+                     "tokens of q")
+  if not num_seqs:
+    return
+  if (sl < 0).any():
+    i = int(np.flatnonzero(sl < 0)[0])
+    raise ValueError(f"seq_lens must be non-negative, got seq_lens[{i}] = {sl[i]}")
+  if (sl < q_lens).any():
+    i = int(np.flatnonzero(sl < q_lens)[0])
+    raise ValueError(f"seq_lens[{i}] = {sl[i]} is shorter than sequence {i}'s {q_lens[i]} query "
+                     "tokens (seq_lens counts the cached prefix plus the new tokens)")
+  cap = bt.shape[1] * block_size
+  if (sl > cap).any():
+    i = int(np.flatnonzero(sl > cap)[0])
+    raise ValueError(f"seq_lens[{i}] = {sl[i]} exceeds the block_table capacity of "
+                     f"{bt.shape[1]} blocks x {block_size} = {cap} tokens")
+  if max_query_len is not None and q_lens.max() > max_query_len:
+    i = int(np.argmax(q_lens))
+    raise ValueError(f"sequence {i} has {q_lens[i]} query tokens > max_query_len={max_query_len}")
+  used = np.arange(bt.shape[1])[None, :] < -(-sl.astype(np.int64) // block_size)[:, None]
+  bad = used & ((bt < 0) | (bt >= num_blocks))
+  if bad.any():
+    s, j = (int(v) for v in np.argwhere(bad)[0])
+    raise ValueError(f"block_table[{s}, {j}] = {bt[s, j]} is not a block id in "
+                     f"[0, num_blocks={num_blocks}) (sequence {s} reads its first "
+                     f"{-(-int(sl[s]) // block_size)} entries for seq_lens[{s}] = {sl[s]})")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.common import cdiv
+from pallas_kernels.common import cdiv, next_pow2  # noqa: F401 (also for the Mosaic backends)
 
 #: q0 of an empty (surplus) tile: past any sequence, so it holds no query row.
 EMPTY_TILE_Q0 = 1 << 30

@@ -32,10 +32,14 @@ def implementations(op: str, but=()):
           if name not in but]
 
 
-def run_mode(op: str, name: str) -> bool:
+def run_mode(op: str, name: str, *supports_args) -> bool:
   """``interpret`` for implementation ``name`` of ``op`` under the suite's mode; skips the test
-  when the implementation cannot run that way here."""
+  when the implementation cannot run that way here, or does not support the call
+  (``supports_args``: what the op's supports functions take, e.g. (spec, q_dtype))."""
   impl = registry.REGISTRIES[op].get(name)
+  why = impl.reason(*supports_args) if supports_args else None
+  if why is not None:
+    pytest.skip(f"{name}: {why}")
   native = registry.platform() in impl.platforms
   if COMPILED:
     if not native:
@@ -54,6 +58,22 @@ def exact_bytes(name: str, interpret: bool) -> bool:
   mode; compiled kernels may differ from XLA's compile of the reference on rounding
   boundaries of the per-token-head quantizers (benchmarks/results/write.md)."""
   return name == "reference" or interpret
+
+
+#: What a registered implementation does not do yet, per (op, implementation, check): the
+#: suite runs the check and expects it to fail (``xfail``), so a fix shows as XPASS.
+KNOWN_GAPS = {
+    ("attention", "mosaic_tpu", "metadata_rules"):
+        "does not apply kvjax.ragged_batch's rules to metadata outside the contract yet",
+    ("attention", "mosaic_tpu", "traced_scale"): "needs a static softmax scale",
+}
+
+
+def known_gap(request, op: str, name: str, check: str, strict: bool = True):
+  """Mark the running test as an expected failure where :data:`KNOWN_GAPS` says so."""
+  why = KNOWN_GAPS.get((op, name, check))
+  if why is not None:
+    request.node.add_marker(pytest.mark.xfail(reason=f"{name} {why}", strict=strict))
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ ARGS = {
                       ["--impl", "pallas", "--repeats", "1"]],   # Pallas kernels, interpret mode
     "torch_interop.py": [[], ["--layout", "HND", "--cache-dtype", "int8_per_token_head"],
                          ["--cache-dtype", "fp8"]],
+    "serve.py": [],   # run with its own checks in tests/test_serve_example.py
 }
 
 

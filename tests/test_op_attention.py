@@ -17,7 +17,7 @@ import pytest
 
 import kvjax
 from attention_cases import build_batch, numpy_attention
-from op_suite import implementations, run_mode, toy_format  # noqa: F401 (fixture)
+from op_suite import implementations, known_gap, run_mode, toy_format  # noqa: F401 (fixture)
 from toy_format import TOY
 
 RAGGED = ((7, 1, 20, 0, 1, 12), (0, 40, 17, 5, 0, 33), 3)   # q lens, cached prefixes, pad
@@ -89,11 +89,11 @@ def _assert_close(out, want, tol):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("impl", implementations("attention"))
 def test_attention_matches_float64_oracle(rng, impl, case, request):
-  interpret = run_mode("attention", impl)
   if case.cache_dtype == TOY.name:
     request.getfixturevalue("toy_format")
   spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=case.head_size, block_size=case.block_size,
                            cache_dtype=case.cache_dtype, layout=case.layout)
+  interpret = run_mode("attention", impl, spec, case.q_dtype)
   ks, vs = (None if s is None else jnp.asarray(s, jnp.float32) for s in case.scales)
   q_lens, prefix, pad = case.batch
   hq = 2 * case.group
@@ -146,10 +146,11 @@ INVALID_METADATA = [
 @pytest.mark.parametrize("qsl,seq_lens,table,max_query_len", INVALID_METADATA)
 @pytest.mark.parametrize("impl", implementations("attention", but=("reference",)))
 def test_metadata_outside_the_contract_gives_the_reference_answer(rng, impl, qsl, seq_lens, table,
-                                                                  max_query_len):
+                                                                  max_query_len, request):
   """Under jit nothing can be checked: every implementation applies the same rules."""
-  interpret = run_mode("attention", impl)
   spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16, layout="HND")
+  interpret = run_mode("attention", impl, spec, jnp.bfloat16)
+  known_gap(request, "attention", impl, "metadata_rules", strict=False)
   num_blocks, max_blocks = 6, 3
   cache = _full_cache(rng, spec, num_blocks)
   s = len(seq_lens)
@@ -173,10 +174,11 @@ def test_metadata_outside_the_contract_gives_the_reference_answer(rng, impl, qsl
 
 @pytest.mark.parametrize("max_query_len", [1, 8])
 @pytest.mark.parametrize("impl", implementations("attention"))
-def test_traced_softmax_and_tensor_scales(rng, impl, max_query_len):
+def test_traced_softmax_and_tensor_scales(rng, impl, max_query_len, request):
   """jax.jit(kvjax.unified_attention) traces every argument, the softmax scale included."""
-  interpret = run_mode("attention", impl)
   spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16, cache_dtype="fp8")
+  interpret = run_mode("attention", impl, spec, jnp.bfloat16)
+  known_gap(request, "attention", impl, "traced_scale")
   cache = _full_cache(rng, spec, 6)
   s = 3
   t = s if max_query_len == 1 else 8

@@ -40,11 +40,11 @@ def _bits(x):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-H{c[2]}-D{c[3]}")
 @pytest.mark.parametrize("impl", implementations("read"))
 def test_read_equals_the_reference_bits(rng, impl, case, request):
-  interpret = run_mode("read", impl)
   cd, layout, h, d, n, dtype, scales = case
   if cd == TOY.name:
     request.getfixturevalue("toy_format")
   spec = KVCacheSpec(h, d, n, cd, layout, dtype)
+  interpret = run_mode("read", impl, spec)
   ks = vs = None
   if scales == "scalar":
     ks, vs = jnp.float32(rng.uniform(0.05, 0.5)), jnp.float32(rng.uniform(0.05, 0.5))

@@ -1,4 +1,6 @@
-"""torch_bridge: zero-copy to_torch / from_torch, and torch views equal to vLLM's formulas (CPU)."""
+"""torch_bridge: zero-copy to_torch / from_torch (CPU, and CUDA when present), and torch views
+equal to vLLM's formulas."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ import torch
 import kvjax
 import torch_bridge as tb
 from torch_bridge import layout as L
+from torch_testing import cache_bytes, device, jax_bytes, sync  # noqa: F401
 
 ALL_CASES = [(cd, "NHD") for cd in kvjax.CACHE_FORMATS if cd != "nvfp4"] + [
     ("auto", "HND"), ("int8_per_token_head", "HND"), ("nvfp4", "HND")]
@@ -19,34 +22,33 @@ def _spec(cache_dtype, layout, h=2, d=64, n=16):
 def _fill(rng, t, spec):
   """Fill cache tensor ``t``'s physical buffer with random bytes (in place)."""
   flat = L.physical_tensor(t, spec).reshape(-1).view(torch.uint8)
-  flat.copy_(torch.from_numpy(rng.integers(0, 256, flat.numel(), dtype=np.uint8)))
+  flat.copy_(torch.from_numpy(rng.integers(0, 256, flat.numel(), dtype=np.uint8)).to(t.device))
+  sync(t.device)
 
 
-def _bytes_of_jax(a):
-  return np.asarray(a).reshape(-1).view(np.uint8)
-
-
-def _bytes_of_torch(t, spec):
-  return L.physical_tensor(t, spec).contiguous().reshape(-1).view(torch.uint8).numpy()
+def _jax_device(device):
+  return tb.dlpack.jax_device_of(torch.empty(0, device=device))
 
 
 # -- to_torch -------------------------------------------------------------------------------
 @pytest.mark.parametrize("cache_dtype,layout", ALL_CASES)
-def test_to_torch_shares_memory_with_logical_view(rng, cache_dtype, layout):
+def test_to_torch_shares_memory_with_logical_view(rng, device, cache_dtype, layout):
   spec = _spec(cache_dtype, layout)
   raw = rng.integers(0, 256, (5 * spec.page_bytes,), dtype=np.uint8)
-  cache = jnp.asarray(raw.view(spec.storage_dtype).reshape(spec.physical_shape(5)))
+  cache = jax.device_put(raw.view(spec.storage_dtype).reshape(spec.physical_shape(5)),
+                         _jax_device(device))
   t = tb.to_torch(cache, spec)
-  assert t.data_ptr() == cache.unsafe_buffer_pointer()
+  assert t.data_ptr() == cache.unsafe_buffer_pointer() and t.device.type == device.type
   assert tuple(t.shape) == spec.logical_shape(5)
   assert t.stride() == spec.logical_strides(5)
   fp8 = spec.format.kind == "fp8_per_tensor"
   assert t.dtype == (torch.uint8 if fp8 else tb.dtypes.torch_dtype(spec.storage_dtype))
-  np.testing.assert_array_equal(_bytes_of_torch(t, spec), raw)
+  np.testing.assert_array_equal(cache_bytes(t, spec), raw)
   # a torch write is seen through the JAX array (same bytes)
   flat = L.physical_tensor(t, spec).reshape(-1).view(torch.uint8)
-  flat[:7] = torch.tensor([1, 2, 3, 4, 5, 6, 7], dtype=torch.uint8)
-  np.testing.assert_array_equal(_bytes_of_jax(cache)[:7], np.arange(1, 8))
+  flat[:7] = torch.arange(1, 8, dtype=torch.uint8, device=device)
+  sync(device)
+  np.testing.assert_array_equal(jax_bytes(cache)[:7], np.arange(1, 8))
 
 
 def test_to_torch_fp8_raw_dtype_and_refusals(rng):
@@ -54,7 +56,7 @@ def test_to_torch_fp8_raw_dtype_and_refusals(rng):
   cache = jnp.asarray(rng.standard_normal(spec.physical_shape(2)), jnp.float8_e5m2)
   t = tb.to_torch(cache, spec, as_uint8=False)
   assert t.dtype == torch.float8_e5m2 and t.data_ptr() == cache.unsafe_buffer_pointer()
-  np.testing.assert_array_equal(t.float().permute(0, 2, 1, 3).numpy(),
+  np.testing.assert_array_equal(t.float().permute(0, 2, 1, 3).cpu().numpy(),
                                 np.asarray(cache.astype(jnp.float32)))
   with pytest.raises(ValueError, match="as_uint8"):
     tb.to_torch(jnp.zeros(_spec("auto", "NHD").physical_shape(2), jnp.bfloat16),
@@ -66,9 +68,9 @@ def test_to_torch_fp8_raw_dtype_and_refusals(rng):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_to_and_from_torch_with_layers_dim(rng, layout):
+def test_to_and_from_torch_with_layers_dim(rng, device, layout):
   spec = _spec("auto", layout)
-  t = tb.empty_cache(spec, 3, num_layers=2)
+  t = tb.empty_cache(spec, 3, num_layers=2, device=device)
   assert tuple(t.shape) == spec.logical_shape(3, 2)
   assert t.stride() == spec.logical_strides(3, 2)
   _fill(rng, t, spec)
@@ -76,38 +78,41 @@ def test_to_and_from_torch_with_layers_dim(rng, layout):
   assert j.shape == spec.physical_shape(3, 2) and j.unsafe_buffer_pointer() == t.data_ptr()
   back = tb.to_torch(j, spec)
   assert back.data_ptr() == t.data_ptr() and back.stride() == t.stride()
-  np.testing.assert_array_equal(_bytes_of_jax(j), _bytes_of_torch(t, spec))
+  np.testing.assert_array_equal(jax_bytes(j), cache_bytes(t, spec))
 
 
 # -- from_torch -----------------------------------------------------------------------------
 @pytest.mark.parametrize("cache_dtype,layout", ALL_CASES)
-def test_from_torch_is_zero_copy_both_views(rng, cache_dtype, layout):
+def test_from_torch_is_zero_copy_both_views(rng, device, cache_dtype, layout):
   spec = _spec(cache_dtype, layout)
-  t = tb.empty_cache(spec, 4)
+  t = tb.empty_cache(spec, 4, device=device)
   _fill(rng, t, spec)
   for given in (t, L.physical_tensor(t, spec)):
     j = tb.from_torch(given, spec)
     assert j.shape == spec.physical_shape(4) and j.dtype == spec.storage_dtype
     assert j.unsafe_buffer_pointer() == t.data_ptr()
-    np.testing.assert_array_equal(_bytes_of_jax(j), _bytes_of_torch(t, spec))
+    assert j.devices() == {_jax_device(device)}
+    np.testing.assert_array_equal(jax_bytes(j), cache_bytes(t, spec))
   # a torch in-place edit after the import is visible through the JAX array
   j = tb.from_torch(t, spec)
   flat = L.physical_tensor(t, spec).reshape(-1).view(torch.uint8)
   new = torch.from_numpy(rng.integers(0, 256, 64, dtype=np.uint8))
-  flat[-64:] = new
-  np.testing.assert_array_equal(_bytes_of_jax(j)[-64:], new.numpy())
+  flat[-64:] = new.to(device)
+  sync(device)
+  np.testing.assert_array_equal(jax_bytes(j)[-64:], new.cpu().numpy())
 
 
-def test_from_torch_fp8_uint8_is_reinterpreted_without_copy(rng):
+def test_from_torch_fp8_uint8_is_reinterpreted_without_copy(rng, device):
   spec = _spec("fp8", "NHD")
-  t = tb.empty_cache(spec, 2)
+  t = tb.empty_cache(spec, 2, device=device)
   assert t.dtype == torch.uint8
   vals = torch.from_numpy(rng.standard_normal(tuple(t.shape), np.float32)).to(torch.float8_e4m3fn)
-  t.copy_(vals.view(torch.uint8))
+  t.copy_(vals.view(torch.uint8).to(device))
+  sync(device)
   j = tb.from_torch(t, spec)
   assert j.dtype == jnp.float8_e4m3fn and j.unsafe_buffer_pointer() == t.data_ptr()
   np.testing.assert_array_equal(np.asarray(j.astype(jnp.float32)),
-                                vals.float().permute(0, 2, 1, 3).numpy())
+                                vals.float().permute(0, 2, 1, 3).cpu().numpy())
   j2 = tb.from_torch(t.view(torch.float8_e4m3fn), spec)   # the fp8-typed view works too
   assert j2.unsafe_buffer_pointer() == t.data_ptr()
 
@@ -214,8 +219,8 @@ def test_scale_views_read_the_scale_slots(rng, cache_dtype, layout):
   _fill(rng, t, spec)
   ks, vs = tb.kv_scale_views(t, spec)
   jk, jv = kvjax.kv_scale_views(tb.from_torch(t, spec), spec)
-  np.testing.assert_array_equal(ks.numpy().view(np.uint32), np.asarray(jk).view(np.uint32))
-  np.testing.assert_array_equal(vs.numpy().view(np.uint32), np.asarray(jv).view(np.uint32))
+  np.testing.assert_array_equal(ks.cpu().numpy().view(np.uint32), np.asarray(jk).view(np.uint32))
+  np.testing.assert_array_equal(vs.cpu().numpy().view(np.uint32), np.asarray(jv).view(np.uint32))
   # writing through the torch view lands in the cache's scale slot
   ks[1, 2, 1] = 0.125
   rows = L.physical_tensor(t, spec)
@@ -251,8 +256,8 @@ def test_nvfp4_views_match_kvjax_split(rng):
   views = tb.nvfp4_views(t, spec)
   for (d, sf), side in zip((views[:2], views[2:]), (jk, jv)):
     jd, jsf = kvjax.nvfp4_split_data_scale(side)
-    np.testing.assert_array_equal(d.numpy(), np.asarray(jd))
-    np.testing.assert_array_equal(sf.view(torch.uint8).numpy(), np.asarray(jsf).view(np.uint8))
+    np.testing.assert_array_equal(d.cpu().numpy(), np.asarray(jd))
+    np.testing.assert_array_equal(sf.view(torch.uint8).cpu().numpy(), np.asarray(jsf).view(np.uint8))
   with pytest.raises(ValueError, match="contiguous"):
     tb.nvfp4_split_data_scale(t[:, :2].transpose(1, 2))    # not a contiguous (d1, d2) block
   with pytest.raises(ValueError, match="uint8"):

@@ -27,6 +27,7 @@ import torch
 
 import kvjax
 from kvjax.spec import KVCacheSpec
+from torch_bridge import checks
 from torch_bridge import dlpack as D
 from torch_bridge import dtypes
 from torch_bridge import interop
@@ -59,6 +60,10 @@ class PagedAttentionBackend:
     sinks: float ``[Hq]`` per-query-head sink logits (torch tensor or array) or None.
     impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None = on CPU).
     crossing_mode: "fast" | "dlpack", see :mod:`torch_bridge.interop`.
+    check_cuda_inputs: also check CUDA slot mappings, metadata and scale tensors on the
+      host (kvjax's rules: slots < capacity, block ids in range, query_start_loc
+      monotonic, ...). That copies them to the host, so the host waits for torch's
+      queued work: a debugging aid, off by default. CPU inputs are always checked.
     output_mode: how ``forward`` fills ``output`` on CUDA: "donate" (default:
       ``output`` is imported and donated, XLA writes the result straight into it; a
       non-contiguous ``output`` falls back to copying) or "copy" (a device copy of JAX's
@@ -72,7 +77,8 @@ class PagedAttentionBackend:
                cache_dtype: str = "auto", layout: str = "NHD", dtype=torch.bfloat16,
                scale: Optional[float] = None, sliding_window: Optional[int] = None,
                soft_cap: Optional[float] = None, sinks=None, *, impl: str = "auto",
-               interpret=None, crossing_mode: str = "fast", output_mode: str = "donate"):
+               interpret=None, crossing_mode: str = "fast", output_mode: str = "donate",
+               check_cuda_inputs: bool = False):
     self.spec = KVCacheSpec(num_kv_heads, head_size, block_size, cache_dtype, layout,
                             dtypes.numpy_dtype(dtype))
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0 \
@@ -83,13 +89,14 @@ class PagedAttentionBackend:
       raise ValueError(f"crossing_mode={crossing_mode!r} must be one of {interop.MODES}")
     if output_mode not in ("copy", "donate"):
       raise ValueError(f"output_mode={output_mode!r} must be 'copy' or 'donate'")
-    kvjax.dispatch.check_impl(impl)
+    kvjax.validation.check_impl(impl)
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
       raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if soft_cap is not None and not soft_cap > 0:
-      raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
+    kvjax.validation.check_soft_cap(soft_cap)
     self.num_heads = num_heads
     self.dtype = dtypes.torch_dtype(self.spec.dtype)
+    if scale is not None:
+      kvjax.validation.check_softmax_scale(scale)
     self.scale = float(head_size ** -0.5 if scale is None else scale)
     self.sliding_window = sliding_window
     self.soft_cap = None if soft_cap is None else float(soft_cap)
@@ -102,13 +109,14 @@ class PagedAttentionBackend:
       self.sinks = s
     self.impl, self.interpret, self.crossing_mode = impl, interpret, crossing_mode
     self.output_mode = output_mode
+    self.check_cuda_inputs = bool(check_cuda_inputs)
     self._out_checked = False
     self._tensor_scales = self.spec.format.has_tensor_scales
     self._crossings = {}
     self._caches = {}        # cache tensor key -> storage-typed physical tensor
     self._inplace_checked = set()
     self._consts = {}        # (device, value) -> JAX scalar / sinks array
-    self._attn = {}          # (max_query_len bucket, causal, cuda) -> jitted fn
+    self._attn = {}          # (max_query_len bucket, causal, donate, cuda) -> jitted fn
     self._write = {}         # cuda -> jitted fn
 
   # -- vLLM's static layout API --------------------------------------------------------------
@@ -140,7 +148,10 @@ class PagedAttentionBackend:
     return cx
 
   def _cache(self, kv_cache) -> torch.Tensor:
-    """The storage-typed physical tensor of ``kv_cache`` (validated once per tensor)."""
+    """The storage-typed physical tensor of ``kv_cache`` (validated once per tensor; its
+    storage checked every call)."""
+    if isinstance(kv_cache, torch.Tensor):
+      checks.check_storage(kv_cache)
     key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype) \
         if isinstance(kv_cache, torch.Tensor) else None
     phys = self._caches.get(key)
@@ -168,6 +179,15 @@ class PagedAttentionBackend:
                        f"{tuple(x.shape)}")
     return x
 
+  def _impl(self, cx):
+    """(impl, interpret) for tensors on ``cx``'s device. CPU tensors never take compiled
+    Pallas, even on a machine whose default JAX backend is a GPU (JAX runs Pallas on the
+    CPU only in interpret mode): "auto" is the reference there, interpret defaults on."""
+    if cx.is_cuda:
+      return self.impl, self.interpret
+    return ("reference" if self.impl == "auto" else self.impl,
+            True if self.interpret is None else self.interpret)
+
   def _const(self, cx, value):
     key = (cx.device, value)
     arr = self._consts.get(key)
@@ -178,6 +198,7 @@ class PagedAttentionBackend:
   def _scales(self, cx, k_scale, v_scale):
     if not self._tensor_scales:
       return None, None        # formats without global scales ignore them (as kvjax does)
+    checks.check_scales(self.spec, k_scale, v_scale, self.check_cuda_inputs)
     return self._scale(cx, "k_scale", k_scale), self._scale(cx, "v_scale", v_scale)
 
   def _scale(self, cx, name, s):
@@ -200,14 +221,17 @@ class PagedAttentionBackend:
       arr = self._consts[key] = jax.device_put(jnp.asarray(self.sinks), cx.jax_device)
     return arr
 
-  def _slots(self, cx, slot_mapping):
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.ndim != 1:
-      raise ValueError("slot_mapping must be a 1-D torch tensor")
-    if slot_mapping.dtype == torch.int32:
-      return cx.view(slot_mapping, zero_copy=False)
-    if slot_mapping.dtype != torch.int64:
+  def _slots(self, cx, slot_mapping, num_slots: int):
+    if not isinstance(slot_mapping, torch.Tensor):
+      raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.ndim != 1:
+      raise ValueError(f"slot_mapping must be 1-D, got shape {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
       raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    return cx.fresh(slot_mapping.to(torch.int32))   # a converted copy: never kept
+    slots = checks.slots_int32(slot_mapping, num_slots, self.check_cuda_inputs)
+    if slots is slot_mapping:
+      return cx.view(slots, zero_copy=False)
+    return cx.fresh(slots)   # a converted copy: never kept
 
   def _copy_back(self, cx, phys, new):
     """CPU (or a CUDA write XLA did not alias): copy JAX's new cache into torch's buffer."""
@@ -227,15 +251,14 @@ class PagedAttentionBackend:
     cx = self._crossing(key.device)
     cx.fence()
     k, v = cx.fresh(key), cx.fresh(value)
-    slots = self._slots(cx, slot_mapping)
+    slots = self._slots(cx, slot_mapping, phys.shape[0] * self.spec.block_size)
     if slots.shape[0] > k.shape[0]:
       raise ValueError(f"slot_mapping has {slots.shape[0]} slots but key has {k.shape[0]} tokens")
     ks, vs = self._scales(cx, k_scale, v_scale)
     cache = cx.view(phys)
     fn = self._write.get(cx.is_cuda)
     if fn is None:
-      fn = self._write[cx.is_cuda] = jitted.write_fn(self.spec, self.impl, self.interpret,
-                                                     cx.is_cuda)
+      fn = self._write[cx.is_cuda] = jitted.write_fn(self.spec, *self._impl(cx), cx.is_cuda)
     new = fn(cache, k, v, slots, ks, vs)
     if not cx.is_cuda:
       self._copy_back(cx, phys, new)
@@ -268,17 +291,19 @@ class PagedAttentionBackend:
     phys = self._cache(kv_cache)
     cx = self._crossing(q.device)
     cx.fence()
+    metadata.check_values(q.shape[0], phys.shape[0], self.spec.block_size,
+                          self.check_cuda_inputs)
     qj = cx.fresh(q)
     qsl, sl, bt = metadata.jax_arrays(cx)
     ks, vs = self._scales(cx, k_scale, v_scale)
     mql = jitted.query_len_bucket(metadata.max_query_len, q.shape[0])
     donate = cx.is_cuda and self.output_mode == "donate" and out.is_contiguous()
-    fkey = (mql, metadata.causal, donate)
+    fkey = (mql, metadata.causal, donate, cx.is_cuda)
     fn = self._attn.get(fkey)
     if fn is None:
       fn = self._attn[fkey] = jitted.attention_fn(
           self.spec, self.scale, metadata.causal, self.sliding_window, self.soft_cap, mql,
-          self.impl, self.interpret, donate)
+          *self._impl(cx), donate)
     args = (qj, cx.view(phys), qsl, sl, bt, self._sinks(cx), ks, vs)
     if not donate:
       out.copy_(cx.to_torch(fn(*args)))

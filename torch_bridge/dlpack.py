@@ -113,24 +113,30 @@ def storage_typed(phys: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
   return phys if phys.dtype == want else phys.view(want)
 
 
-def from_torch(tensor, spec: KVCacheSpec) -> jax.Array:
+def from_torch(tensor, spec: KVCacheSpec, *, view: Optional[str] = None) -> jax.Array:
   """The JAX physical cache sharing ``tensor``'s memory (never a copy).
 
   Args:
     tensor: vLLM's logical view ``(B, H, N, C)`` (permuted, compact) or the
       physical contiguous tensor (4-D, or 5-D with a layers dim); dtype the
       spec's storage dtype, or uint8 for an fp8 per-tensor cache.
+    view: None (tell from shape and strides), "logical" or "physical". Needed
+      for a contiguous NHD tensor when ``num_kv_heads == block_size``, whose shape
+      and strides fit both readings (refused without it).
   Returns:
     ``spec.physical_shape(B)`` array of ``spec.storage_dtype`` whose
     ``unsafe_buffer_pointer()`` is the tensor's ``data_ptr()``.
   Raises:
     TypeError: not a tensor, or a dtype the spec does not store.
-    ValueError: a non-compact view (a K half, one head), a wrong shape, a CPU
-      address not 64-byte aligned, or a device JAX does not address.
-  On CUDA, JAX waits for torch's *current* stream before reading the array; later
-  torch writes are not ordered against pending JAX reads (synchronize).
+    ValueError: a non-compact view (a K half, one head), a wrong shape, an
+      ambiguous one, a CPU address not 64-byte aligned, or a device JAX does not
+      address.
+  The array borrows torch's memory: keep the tensor's storage alive and do not
+  resize it while the array is in use (JAX cannot see that; it would read freed
+  memory). On CUDA, JAX waits for torch's *current* stream before reading the
+  array; later torch writes are not ordered against pending JAX reads (synchronize).
   """
-  phys = L.physical_tensor(tensor, spec)
+  phys = L.physical_tensor(tensor, spec, view)
   return import_physical(storage_typed(phys, spec))
 
 

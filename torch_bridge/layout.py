@@ -55,16 +55,25 @@ def _expected(spec: KVCacheSpec, b: int, layers: Optional[int]):
     return None, None
 
 
-def physical_tensor(tensor, spec: KVCacheSpec) -> torch.Tensor:
+VIEWS = ("logical", "physical")
+
+
+def physical_tensor(tensor, spec: KVCacheSpec, view: Optional[str] = None) -> torch.Tensor:
   """The contiguous physical tensor behind ``tensor`` (a view, never a copy).
 
   Accepts vLLM's logical view (shape ``spec.logical_shape(B)``, strides of the
   permuted physical buffer) or the physical contiguous tensor itself; dtype must be
   the spec's storage dtype (uint8 also for fp8 per-tensor caches).
+  ``view``: None (tell from shape and strides), "logical" or "physical" (accept only
+  that one). Where shape and strides cannot tell them apart (an NHD cache with
+  ``num_kv_heads == block_size``: a contiguous tensor of the logical shape may be the
+  physical buffer or a contiguous copy of the logical view), None refuses.
   Raises TypeError for a wrong dtype / non-tensor and ValueError for any shape or
   stride pattern that is not one whole compact cache.
   """
   _check_tensor(tensor)
+  if view is not None and view not in VIEWS:
+    raise ValueError(f"view={view!r} must be None, 'logical' or 'physical'")
   if tensor.dtype not in dtypes.accepted_cache_dtypes(spec):
     raise TypeError(f"cache tensor dtype {tensor.dtype} is not one of "
                     f"{dtypes.accepted_cache_dtypes(spec)} for cache_dtype={spec.cache_dtype!r}")
@@ -72,24 +81,38 @@ def physical_tensor(tensor, spec: KVCacheSpec) -> torch.Tensor:
   order = spec.stride_order(with_layers)
   b, layers = _blocks_layers(tuple(tensor.shape), True, order)
   logical_shape, _ = _expected(spec, b, layers)
-  if logical_shape is not None and _strides_match(tensor, logical_shape,
-                                                  spec.logical_strides(b, layers)):
+  if view != "physical" and logical_shape is not None and _strides_match(
+      tensor, logical_shape, spec.logical_strides(b, layers)):
     return tensor.permute(order)
   b, layers = _blocks_layers(tuple(tensor.shape), False, order)
-  _, physical_shape = _expected(spec, b, layers)
-  if physical_shape is not None and _strides_match(tensor, physical_shape,
-                                                   contiguous_strides(physical_shape)):
+  logical_shape, physical_shape = _expected(spec, b, layers)
+  if view != "logical" and physical_shape is not None and _strides_match(
+      tensor, physical_shape, contiguous_strides(physical_shape)):
+    if view is None and physical_shape == logical_shape and order != tuple(range(len(order))):
+      raise ValueError(
+          f"contiguous tensor of shape {tuple(tensor.shape)} is ambiguous: this {spec.layout} "
+          f"cache's logical and physical shapes are equal (num_kv_heads={spec.num_kv_heads}, "
+          f"block_size={spec.block_size}), so it may be the physical buffer or a contiguous "
+          "copy of vLLM's logical view, with heads and tokens swapped. Pass the logical view "
+          "(as allocate_kv_cache and to_torch return it), or say view='physical' if it is the "
+          "physical buffer")
     return tensor
+  wanted = {None: "neither the logical view nor the physical contiguous buffer",
+            "logical": "not the logical view (view='logical')",
+            "physical": "not the physical contiguous buffer (view='physical')"}[view]
   raise ValueError(
-      f"tensor of shape {tuple(tensor.shape)} strides {tensor.stride()} is neither the logical "
-      f"view nor the physical contiguous buffer of a {spec.layout} {spec.cache_dtype!r} cache "
-      f"(for B={b}: logical {logical_shape}, physical {physical_shape}); non-compact views "
-      "(a K half, one head, a strided slice) cannot be shared as one buffer")
+      f"tensor of shape {tuple(tensor.shape)} strides {tensor.stride()} is {wanted} of a "
+      f"{spec.layout} {spec.cache_dtype!r} cache (for B={b}: logical {logical_shape}, physical "
+      f"{physical_shape}); non-compact views (a K half, one head, a strided slice) cannot be "
+      "shared as one buffer")
 
 
-def logical_view(tensor, spec: KVCacheSpec) -> torch.Tensor:
-  """vLLM's logical view ``(B, H, N, C)`` (or ``(L, B, H, N, C)``) of a cache tensor."""
-  phys = physical_tensor(tensor, spec)
+def logical_view(tensor, spec: KVCacheSpec, view: Optional[str] = None) -> torch.Tensor:
+  """vLLM's logical view ``(B, H, N, C)`` (or ``(L, B, H, N, C)``) of a cache tensor.
+
+  ``view`` as in :func:`physical_tensor`.
+  """
+  phys = physical_tensor(tensor, spec, view)
   return phys.permute(_inverse(spec.stride_order(phys.ndim == 5)))
 
 

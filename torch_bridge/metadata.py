@@ -5,6 +5,9 @@ import dataclasses
 
 import torch
 
+from kvjax import validation as V
+from torch_bridge import checks
+
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionMetadata:
@@ -19,9 +22,11 @@ class PagedAttentionMetadata:
     max_seq_len: the longest KV length of the step (Python int).
     causal: decoder self-attention (vLLM's default).
 
-  The facade imports the tensors into JAX once per metadata object (on the first
-  layer that uses it) and reuses them for the other layers: treat the tensors as
-  read-only once the metadata is built, as vLLM does within a step.
+  The facade checks the values (CPU tensors; CUDA ones with
+  ``check_cuda_inputs=True``) and imports the tensors into JAX once per metadata
+  object (on the first layer that uses it) and reuses both for the other layers:
+  treat the tensors as read-only once the metadata is built, as vLLM does within a
+  step. int64 values are narrowed to int32 by saturation, never wrapped.
   """
   query_start_loc: torch.Tensor
   seq_lens: torch.Tensor
@@ -52,17 +57,30 @@ class PagedAttentionMetadata:
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     object.__setattr__(self, "_jax", {})
+    object.__setattr__(self, "_checked", set())
+
+  def check_values(self, num_tokens: int, num_blocks: int, block_size: int, on_cuda: bool):
+    """kvjax's host checks of the values (``kvjax.validation.check_attention_metadata``) for
+    ``num_tokens`` query tokens over a cache of ``num_blocks`` blocks, once per configuration.
+    CUDA tensors are read (a sync) only if ``on_cuda``."""
+    key = (num_tokens, num_blocks, block_size)
+    if key in self._checked:
+      return
+    values = [checks.host_values(getattr(self, n), on_cuda)
+              for n in ("query_start_loc", "seq_lens", "block_table")]
+    if any(v is None for v in values):
+      return
+    V.check_attention_metadata(*values, num_tokens=num_tokens, num_blocks=num_blocks,
+                               block_size=block_size, max_query_len=self.max_query_len)
+    self._checked.add(key)
 
   def jax_arrays(self, crossing):
     """(query_start_loc, seq_lens, block_table) as int32 JAX arrays, imported once per device."""
     key = (crossing.device, crossing.mode)
     arrays = self._jax.get(key)
     if arrays is None:
-      arrays = tuple(crossing.fresh(_int32(getattr(self, n)))
+      arrays = tuple(crossing.fresh(checks.saturate_int32(getattr(self, n)))
                      for n in ("query_start_loc", "seq_lens", "block_table"))
       self._jax[key] = arrays
     return arrays
 
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-  return t if t.dtype == torch.int32 else t.to(torch.int32)

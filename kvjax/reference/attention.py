@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import ragged_batch as RB
+from kvjax.ragged_batch import token_positions  # noqa: F401  (pallas_kernels.mosaic_tpu's import)
 from kvjax.spec import KVCacheSpec
 from kvjax.views import dequantize_pages
 

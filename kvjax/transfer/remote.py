@@ -1,24 +1,36 @@
 """Cross-process transfers over ``jax.experimental.transfer`` (disaggregated prefill/decode).
 
-The prefill process *offers* a request's pages: per prefill rank, the gathered pages
-as one uint8 ``[n, remote_page_bytes]`` array on that rank's device, under the id
-``request_uuid(request_id, rank)`` (``server.await_pull``). The decode process, with
-its own TP size, *pulls* (``connection.pull``) exactly the source ranks its read
-plans name, each once, onto the first decode device that needs it, then applies the
-plans and scatters the pages into its caches at its own block ids (as
+The prefill process *offers* a request's pages (:func:`offer_request`): per prefill
+rank, the gathered pages as one uint8 ``[n, remote_page_bytes]`` array on that rank's
+device, served once under an id derived from the offer's secret ``token``
+(:mod:`kvjax.transfer.offers`). The decode process, given the server address and the
+token by the serving router, *pulls* (:func:`pull_request`) exactly the source ranks its
+read plans name, each once, onto the first decode device that needs it, then applies
+the plans and scatters the pages into its caches at its own block ids (as
 :func:`kvjax.transfer.transfer_blocks` does within one process).
 
-Facts checked on jax 0.10.2 (CPU): one offer (uuid) serves one pull (a second pull of
-the same uuid blocks), so the decode side pulls each source rank once and copies it
-between its own devices; a pull of a uuid never offered blocks, and ``pull``'s
-``timeout`` did not end that wait on CPU, so callers bound the process instead;
-servers bind only where told: pass loopback addresses in tests.
-The address and request id travel out of band (a file, stdout, the serving router).
+Facts of the transfer engine (checked on jax 0.10.2, CPU), which shape this module:
+
+- An offer (``await_pull`` of an id) serves one pull; a pull of an id that is not
+  offered (wrong token, already pulled, expired) waits without end, and ``pull``'s own
+  ``timeout`` does not end that wait. ``pull`` itself returns at once: its arrays fill
+  in the background and the Python thread keeps the GIL free while they do.
+- So a pull is bounded here by polling ``is_ready()`` until a deadline, then poisoning
+  the connection, which completes the pending arrays with an error; no JAX operation
+  ever sees a pending array, so the decode caches stay untouched on failure and the
+  process serves the next request.
+- ``await_pull``'s ``timeout`` drops the server's entry at the TTL; deleting an offered
+  array frees it at once, and a later pull of it ends with an error on the decode side.
+- The transport is unauthenticated and unencrypted; servers bind only where told.
+  :func:`start_server` refuses non-loopback addresses unless ``allow_remote=True``.
+  See docs/transfers.md for the trust model.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
+import ipaddress
+import math
+import time
 from typing import Dict, List, Optional, Sequence
 
 import jax
@@ -27,10 +39,21 @@ import numpy as np
 
 from kvjax import spec as S
 from kvjax.transfer import execute as E
+from kvjax.transfer import plan as PL
 from kvjax.transfer import topology as T
+from kvjax.transfer.offers import (LiveOffers, Offer, check_token, live_offers, new_offer, track,
+                                   transfer_id)
 
-#: Offer ids: ``request_id * MAX_RANKS + rank``.
-MAX_RANKS = 1024
+#: Default seconds an offer stays pullable (:func:`offer_request`'s ``ttl_s``).
+DEFAULT_TTL_S = 60.0
+#: Default seconds a pull may take (:func:`pull_request`'s ``timeout_s``).
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class PullError(ConnectionError):
+  """The prefill side answered a pull with an error (its offer was released, it closed the
+  connection, or the page sizes disagree). Like :class:`TimeoutError` it is an
+  :class:`OSError`: ``except OSError`` catches every failed pull."""
 
 
 def _transfer_module():
@@ -41,24 +64,42 @@ def _transfer_module():
   return transfer
 
 
+def is_loopback(address: str) -> bool:
+  """True for ``"IP:port"`` / ``"[IPv6]:port"`` with a loopback IP literal (127.0.0.0/8, ::1)."""
+  host, sep, _ = str(address).rpartition(":")
+  if not sep:
+    return False
+  try:
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+  except ValueError:
+    return False
+
+
 def start_server(client=None, address: str = "127.0.0.1:0",
-                 transport_addresses: Sequence[str] = ("127.0.0.1:0",)):
+                 transport_addresses: Sequence[str] = ("127.0.0.1:0",), *,
+                 allow_remote: bool = False):
   """A transfer server on ``address`` (loopback, free port by default).
 
   client: the backend client (default: that of ``jax.devices()[0]``).
+  address, transport_addresses: ``"IP:port"``; the control socket and the bulk-data
+    sockets. Both default to loopback. Any other address needs ``allow_remote=True``:
+    the transport has no authentication or encryption, so only bind an address on an
+    isolated transfer network (docs/transfers.md).
   ``server.address()`` is what the other process connects to.
   """
+  transport_addresses = list(transport_addresses)
+  if not transport_addresses:
+    raise ValueError("transport_addresses must name at least one 'IP:port' (e.g. '127.0.0.1:0')")
+  if not allow_remote:
+    for name, addr in [("address", address)] + [("transport_addresses", a)
+                                                  for a in transport_addresses]:
+      if not is_loopback(addr):
+        raise ValueError(
+            f"{name}={addr!r} is not a loopback 'IP:port'; the transfer transport is "
+            "unauthenticated and unencrypted, so binding beyond this host needs "
+            "allow_remote=True and an isolated transfer network (see docs/transfers.md)")
   client = client or jax.devices()[0].client
-  return _transfer_module().start_transfer_server(client, address, list(transport_addresses))
-
-
-def request_uuid(request_id: int, rank: int) -> int:
-  """The offer id of one prefill rank's pages of a request."""
-  if not 0 <= rank < MAX_RANKS:
-    raise ValueError(f"rank={rank} must be in [0, {MAX_RANKS})")
-  if request_id < 0:
-    raise ValueError(f"request_id={request_id} must be non-negative")
-  return int(request_id) * MAX_RANKS + int(rank)
+  return _transfer_module().start_transfer_server(client, address, transport_addresses)
 
 
 def needed_remote_ranks(tp_size: int, remote_tp_size: int, total_num_kv_heads: int,
@@ -70,81 +111,144 @@ def needed_remote_ranks(tp_size: int, remote_tp_size: int, total_num_kv_heads: i
   return sorted(ranks)
 
 
-@dataclasses.dataclass
-class Offer:
-  """Pages of a request offered by the prefill side; keep it alive until pulled.
+def _deadline_datetime(seconds: float) -> datetime.datetime:
+  return datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)
 
-  arrays: rank -> uint8 ``[num_pages, page_bytes]`` on that rank's device.
+
+def _check_seconds(name: str, value) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      math.isfinite(value) and value > 0):
+    raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+  return float(value)
+
+
+def offer_request(server, prefill_caches: Sequence[jax.Array], block_ids, *,
+                  ranks: Optional[Sequence[int]] = None, ttl_s: float = DEFAULT_TTL_S) -> Offer:
+  """Offer a request's pages of every prefill rank (or only ``ranks``), one pull each.
+
+  Args:
+    server: this process's transfer server (:func:`start_server`).
+    prefill_caches: the P per-rank caches (one layer), each on its device.
+    block_ids: the request's prefill block ids (non-empty, within the caches).
+    ranks: offer only these ranks (e.g. :func:`needed_remote_ranks` of the decode TP size),
+      so no rank stays unpulled.
+    ttl_s: the pages are released this many seconds after the offer if nobody released
+      them before (:meth:`Offer.release`, ``with offer:``).
+  Returns:
+    The live :class:`Offer`; send ``offer.token`` with ``server.address()`` to the decode side.
   """
-  request_id: int
-  num_pages: int
-  page_bytes: int
-  arrays: Dict[int, jax.Array]
-
-
-def offer_request(server, request_id: int, prefill_caches: Sequence[jax.Array], block_ids, *,
-                  ranks: Optional[Sequence[int]] = None) -> Offer:
-  """Offer a request's pages of every prefill rank (or only ``ranks``) for one pull each.
-
-  prefill_caches: the P per-rank caches (one layer), each on its device.
-  block_ids: the request's prefill block ids. ``ranks``: offer only these ranks (e.g.
-  :func:`needed_remote_ranks` of the decode TP size) so no offer stays unpulled.
-  """
+  ttl_s = _check_seconds("ttl_s", ttl_s)
   if not prefill_caches:
     raise ValueError("prefill_caches must be non-empty")
-  ids = np.asarray(block_ids, np.int32)
-  if ids.ndim != 1 or ids.size == 0:
-    raise ValueError(f"block_ids must be a non-empty 1-D sequence, got {block_ids!r}")
+  if np.size(block_ids) == 0:
+    raise ValueError("block_ids must name at least one block")
+  ids = PL._check_block_ids("block_ids", block_ids,
+                            min(int(c.shape[0]) for c in prefill_caches))
   ranks = range(len(prefill_caches)) if ranks is None else ranks
   arrays = {}
   for s in ranks:
     if not 0 <= s < len(prefill_caches):
       raise ValueError(f"rank {s} is not a prefill rank of {len(prefill_caches)}")
-    arrays[s] = E.gather_page_bytes(prefill_caches[s], ids)
-    arrays[s].block_until_ready()
-    server.await_pull(request_uuid(request_id, s), [arrays[s]])
-  first = next(iter(arrays.values()))
-  return Offer(request_id, int(first.shape[0]), int(first.shape[1]), arrays)
+    arrays[int(s)] = E.gather_page_bytes(prefill_caches[s], ids.astype(np.int32))
+  if not arrays:
+    raise ValueError("ranks must name at least one prefill rank")
+  jax.block_until_ready(list(arrays.values()))
+  offer = new_offer(arrays, ttl_s)
+  expiry = _deadline_datetime(ttl_s)   # the server drops its entries then, too
+  try:
+    for s, a in arrays.items():
+      server.await_pull(transfer_id(offer.token, s), [a], timeout=expiry)
+  except BaseException:
+    offer.release()
+    raise
+  track(offer)
+  return offer
 
 
-def pull_request(server, address: str, request_id: int, decode_caches: Sequence[jax.Array], spec,
-                 dst_block_ids, *, remote_tp_size: int, total_num_kv_heads: int,
-                 is_mla: bool = False, timeout_s: Optional[float] = None):
+def _cancel(conn) -> None:
+  """Complete a connection's pending pulls with an error (no-op where jax lacks the hook)."""
+  poison = getattr(conn, "_poison_connection", None)
+  if poison is not None:
+    poison()
+
+
+def _await_pulls(conn, arrays: Dict[int, jax.Array], deadline: float, address: str,
+                 timeout_s: float) -> None:
+  """Wait (GIL free, bounded by ``deadline``) until every pulled array is complete.
+
+  Raises TimeoutError at the deadline and PullError as soon as one rank's pull ends in an
+  error; either way the connection is poisoned first, so nothing keeps writing.
+  """
+  pending = dict(arrays)
+  delay = 1e-4
+  while pending:
+    for s in [s for s, a in pending.items() if a.is_ready()]:
+      try:
+        pending.pop(s).block_until_ready()   # ready: raises only if the pull ended in an error
+      except Exception as e:  # jax's runtime error type differs between versions
+        _cancel(conn)
+        raise PullError(f"pull of prefill rank {s} from {address} failed ({e}); decode caches "
+                        "are untouched") from e
+    left = deadline - time.monotonic()
+    if pending and left <= 0:
+      _cancel(conn)
+      raise TimeoutError(
+          f"pull of prefill ranks {sorted(pending)} from {address} did not complete within "
+          f"{timeout_s:g} s (the prefill process is dead or stalled, or the offer is gone: "
+          "expired, released, already pulled, or another token); decode caches are untouched")
+    if pending:
+      time.sleep(min(delay, left))
+      delay = min(2 * delay, 1e-3)
+
+
+def pull_request(server, address: str, decode_caches: Sequence[jax.Array], spec, dst_block_ids,
+                 *, token: str, remote_tp_size: int, total_num_kv_heads: int,
+                 is_mla: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
   """Pull a request's pages from the prefill process and write them into the decode caches.
 
   Args:
     server: this process's transfer server (:func:`start_server`).
     address: the prefill server's ``address()``.
     decode_caches: the D per-rank caches of ``spec`` (this rank's spec), each on its device.
+    spec: the decode per-rank spec.
     dst_block_ids: the decode block ids of the request's pages, in prefill page order.
+    token: the offer's ``token`` (from the prefill side, through the router).
     remote_tp_size: P; total_num_kv_heads: H.
-    timeout_s: passed to ``pull`` as its deadline (None = wait); not honoured by the
-      CPU backend of jax 0.10.2, so bound the process too.
+    timeout_s: the pull gives up after this many seconds.
   Returns:
-    (new decode caches, the remote ranks pulled).
+    (new decode caches, the remote ranks pulled). The caches are donated only once every
+    page has arrived.
+  Raises:
+    TimeoutError: nothing (or not everything) arrived within ``timeout_s``: the prefill
+      process is dead or stalled, or no offer answers this token.
+    PullError: the prefill side answered with an error (e.g. the offer was released).
+    On either, ``decode_caches`` are unchanged and the process can serve the next request.
   """
+  timeout_s = _check_seconds("timeout_s", timeout_s)
+  deadline = time.monotonic() + timeout_s
+  check_token(token)
   mla = is_mla or isinstance(spec, S.MLACacheSpec)
   d = len(decode_caches)
   if d == 0:
     raise ValueError("decode_caches must be non-empty")
   rspec = spec if mla else T.remote_spec(spec, remote_tp_size, total_num_kv_heads)
   E.check_rank_caches("decode", decode_caches, spec)
+  if np.size(dst_block_ids) == 0:
+    raise ValueError("dst_block_ids must name at least one block")
   dst = E._check_block_ids_distinct(dst_block_ids, decode_caches[0].shape[0])
   plans = [E.rank_plan(spec, tp_rank=r, tp_size=d, remote_tp_size=remote_tp_size,
                        total_num_kv_heads=total_num_kv_heads, is_mla=mla) for r in range(d)]
   conn = server.connect(address)
+  server_deadline = _deadline_datetime(timeout_s + 1.0)   # lets the peer drop a stale request
   pulled: Dict[int, jax.Array] = {}
   for r, (reads, _) in enumerate(plans):
     dev = E._device_of(decode_caches[r])
     for s in sorted({x.remote_rank for x in reads}):
-      if s in pulled:
-        continue
-      want = jax.ShapeDtypeStruct((dst.size, rspec.page_bytes), jnp.uint8,
-                                  sharding=jax.sharding.SingleDeviceSharding(dev))
-      args = {}
-      if timeout_s is not None:
-        args["timeout"] = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-      pulled[s] = conn.pull(request_uuid(request_id, s), [want], **args)[0]
+      if s not in pulled:
+        want = jax.ShapeDtypeStruct((dst.size, rspec.page_bytes), jnp.uint8,
+                                    sharding=jax.sharding.SingleDeviceSharding(dev))
+        pulled[s] = conn.pull(transfer_id(token, s), [want], timeout=server_deadline)[0]
+  _await_pulls(conn, pulled, deadline, address, timeout_s)
   out = []
   for r, (reads, permute) in enumerate(plans):
     sources = {s: pulled[s] for s in {x.remote_rank for x in reads}}
@@ -153,5 +257,6 @@ def pull_request(server, address: str, request_id: int, decode_caches: Sequence[
   return out, sorted(pulled)
 
 
-__all__ = ["start_server", "request_uuid", "needed_remote_ranks", "Offer", "offer_request",
-           "pull_request", "MAX_RANKS"]
+__all__ = ["start_server", "is_loopback", "needed_remote_ranks", "Offer", "LiveOffers",
+           "offer_request", "pull_request", "live_offers", "PullError", "DEFAULT_TTL_S",
+           "DEFAULT_TIMEOUT_S"]

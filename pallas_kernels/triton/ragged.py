@@ -1,7 +1,7 @@
 """Unified ragged paged attention (prefill with cached prefix + decode in one batch), Pallas.
 
 Semantics: exactly :func:`kvjax.reference.unified_attention`. This module builds the static
-tiling and launches the kernel in :mod:`pallas_kernels.ragged_triton` (Triton lowering on GPU,
+tiling and launches the kernel in :mod:`pallas_kernels.triton.ragged_kernel` (Triton lowering on GPU,
 interpret mode on CPU). Arguments arrive validated by ``kvjax.unified_attention``.
 
 Static sizes and recompilation (bucketing rule)

@@ -1,0 +1,380 @@
+"""H200 check of the Mosaic GPU ragged attention: compiled correctness, then speed.
+
+GPU:  PYTHONUNBUFFERED=1 python benchmarks/check_mosaic_gpu.py          (< 4 minutes)
+      writes $OUT/mosaic_gpu.json when $OUT is set.
+
+1. Correctness: the compiled kernel vs ``kvjax.reference.unified_attention`` on small ragged
+   batches (NHD and HND, GQA 1/4/7/8, head sizes 64/128/256, window, soft cap, sinks, padding
+   tokens, zero-length prefixes and empty sequences, decode-only, a prefill + decode mix),
+   caches poisoned with NaN in every slot no token was written to. Per case: max |error|
+   relative to the output's magnitude, padding rows exactly 0, PASS/FAIL; an exception prints
+   its type and first lines and the next case runs.
+2. Speed (bf16, Hq=32, H=8, D=128, block 16, pages shuffled): 4x4096, 16x1024, 1x16384
+   causal prefill and a serving mix (1x4096 prefill + 64 decodes at 4096) for this kernel
+   (NHD, HND), the Pallas-Triton kernel (``kvjax.unified_attention(impl="pallas")``), and on
+   dense KV JAX's ``attention_mgpu``, cuDNN (``jax.nn.dot_product_attention``) and torch SDPA
+   (``enable_gqa=True``). FLOPs = 4 * (visible query-key pairs) * Hq * D.
+
+Each part runs in a child process with a time limit, so a hang (a barrier deadlock) or a
+crash costs that part only; the parent prints what the child reported before it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PARTS = {"checks": 90, "bench": 140}     # seconds each part may take
+PREFIX = "@@"                             # result lines the parent collects
+
+
+def emit(kind, **row):
+  """Print a human line and a machine line (collected by the parent)."""
+  print(PREFIX + json.dumps(dict(kind=kind, **row)), flush=True)
+
+
+def first_lines(e: BaseException, n: int = 3) -> str:
+  text = f"{type(e).__name__}: {e}".strip().splitlines()
+  return " | ".join(text[:n])[:400]
+
+
+# -- problems ----------------------------------------------------------------------------------
+def paged_batch(rng, spec, q_lens, ctx_lens, hq, pad=0, fill="nan"):
+  """(q, cache, qsl, seq_lens, block_table) with shuffled pages.
+
+  fill="nan": NaN cache, then every token of every sequence written (small checks);
+  fill="random": the whole cache random normal (big timing problems).
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from kvjax.reference import write_kv
+  n = spec.block_size
+  q_lens, ctx_lens = np.asarray(q_lens), np.asarray(ctx_lens)
+  seq_lens = q_lens + ctx_lens
+  pages = np.maximum(-(-seq_lens // n), 1)
+  num_blocks = int(pages.sum()) + 2
+  perm = rng.permutation(num_blocks)
+  bt = np.zeros((len(q_lens), int(pages.max())), np.int32)
+  used = 0
+  for s, p in enumerate(pages):
+    bt[s, :p] = perm[used:used + p]
+    bt[s, p:] = perm[-1]
+    used += p
+  shape = spec.physical_shape(num_blocks)
+  if fill == "random":
+    cache = jax.random.normal(jax.random.PRNGKey(int(rng.integers(1 << 30))), shape,
+                              jnp.float32).astype(spec.dtype)
+  else:
+    cache = jnp.full(shape, jnp.nan, spec.dtype)
+    slots = np.concatenate([bt[s, np.arange(L) // n] * n + np.arange(L) % n
+                            for s, L in enumerate(seq_lens)]).astype(np.int32)
+    kv = (len(slots), spec.num_kv_heads, spec.head_size)
+    k, v = (jnp.asarray(rng.standard_normal(kv), spec.dtype) for _ in range(2))
+    cache = write_kv(cache, k, v, jnp.asarray(slots), spec)
+  q = jnp.asarray(rng.standard_normal((int(q_lens.sum()) + pad, hq, spec.head_size)),
+                  spec.dtype)
+  qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  return q, cache, jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt)
+
+
+def visible_pairs(q_lens, ctx_lens):
+  """Causal (query, key) pairs: query i of a sequence sees ctx + i + 1 keys."""
+  return sum(int(q) * int(c) + int(q) * (int(q) + 1) // 2 for q, c in zip(q_lens, ctx_lens))
+
+
+def ours_fn(spec, scale, max_query_len, geometry=None, **kw):
+  import jax
+  from pallas_kernels.mosaic_gpu.ragged_attention import ragged_paged_attention_tiled
+
+  @jax.jit
+  def f(q, cache, qsl, sl, bt):
+    return ragged_paged_attention_tiled(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
+                                        block_table=bt, scale=scale,
+                                        max_query_len=max_query_len, geometry=geometry, **kw)
+  return f
+
+
+def triton_fn(spec, scale, max_query_len, **kw):
+  import jax
+  import kvjax
+
+  @jax.jit
+  def f(q, cache, qsl, sl, bt):
+    return kvjax.unified_attention(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
+                                   block_table=bt, scale=scale, max_query_len=max_query_len,
+                                   impl="pallas", **kw)
+  return f
+
+
+# -- part 1: correctness -----------------------------------------------------------------------
+CHECKS = [
+    # name, layout, H, G, D, N, q_lens, ctx_lens, pad, kwargs
+    ("NHD G=4 D=128 prefill/prefix/decode mix + pad", "NHD", 2, 4, 128, 16,
+     [300, 1, 1, 77, 0, 64], [0, 1000, 37, 500, 5, 64], 13, {}),
+    ("HND G=4 D=128 same mix", "HND", 2, 4, 128, 16,
+     [300, 1, 1, 77, 0, 64], [0, 1000, 37, 500, 5, 64], 13, {}),
+    ("NHD G=1 D=128 two consumer warpgroups", "NHD", 2, 1, 128, 16,
+     [700, 130, 1], [0, 300, 90], 5, {}),
+    ("HND G=7 D=64 N=32 window+softcap+sinks", "HND", 2, 7, 64, 32,
+     [200, 1, 64, 3], [100, 700, 0, 90], 5,
+     dict(sliding_window=128, soft_cap=30.0, sinks=True)),
+    ("NHD G=4 D=256 one consumer warpgroup", "NHD", 2, 4, 256, 16,
+     [129, 1, 40], [0, 333, 7], 3, {}),
+    ("NHD G=8 D=128 decode-only (max_query_len=1)", "NHD", 2, 8, 128, 16,
+     [1] * 9, [0, 1, 15, 16, 17, 255, 1000, 3, 64], 7, dict(max_query_len=1)),
+    ("HND G=4 D=128 zero-length prefixes, empty seqs", "HND", 2, 4, 128, 16,
+     [33, 0, 250, 0, 16], [0, 0, 0, 12, 0], 0, {}),
+    ("HND G=2 D=128 non-causal + window", "HND", 2, 2, 128, 16,
+     [90, 4], [40, 200], 2, dict(causal=False, sliding_window=60)),
+    ("NHD G=4 D=128 N=64 window+sinks", "NHD", 2, 4, 128, 64,
+     [256, 1, 31], [512, 800, 0], 1, dict(sliding_window=200, sinks=True)),
+    ("NHD fp16 G=4 D=64 N=48 softcap", "NHD", 2, 4, 64, 48,
+     [100, 1], [50, 300], 4, dict(soft_cap=20.0, dtype="float16")),
+]
+
+
+def run_checks():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import kvjax
+  from kvjax.reference import unified_attention as ref_attention
+  from pallas_kernels.mosaic_gpu.ragged_attention import supports_attention
+  spec0 = kvjax.KVCacheSpec(8, 128, 16, dtype=jnp.bfloat16)
+  emit("info", supports=supports_attention(spec0, jnp.bfloat16), device=str(jax.devices()[0]))
+  rng = np.random.default_rng(0)
+  for name, layout, h, g, d, n, ql, cl, pad, kw in CHECKS:
+    t0 = time.time()
+    kw = dict(kw)
+    dtype = jnp.dtype(kw.pop("dtype", "bfloat16"))
+    mql = kw.pop("max_query_len", max(ql))
+    try:
+      spec = kvjax.KVCacheSpec(h, d, n, layout=layout, dtype=dtype)
+      q, cache, qsl, sl, bt = paged_batch(rng, spec, ql, cl, h * g, pad=pad)
+      if kw.pop("sinks", False):
+        kw["sinks"] = jnp.asarray(rng.standard_normal(h * g) * 2, jnp.float32)
+      scale = d ** -0.5
+      out = ours_fn(spec, scale, mql, **kw)(q, cache, qsl, sl, bt)
+      o = np.asarray(jax.block_until_ready(out), np.float32)
+      r = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, scale=scale, **kw))(
+          q, cache, query_start_loc=qsl, seq_lens=sl, block_table=bt), np.float32)
+      real = int(np.sum(ql))
+      err = float(np.max(np.abs(o[:real] - r[:real]))) if real else 0.0
+      mag = float(np.max(np.abs(r))) if r.size else 0.0
+      pad_zero = bool(np.all(o[real:] == 0))
+      finite = bool(np.isfinite(o).all())
+      ok = finite and pad_zero and err <= 2e-2 * max(mag, 1e-3)
+      emit("check", name=name, max_err=err, ref_max=mag, padding_zero=pad_zero,
+           finite=finite, ok=ok, seconds=round(time.time() - t0, 1))
+    except Exception as e:  # noqa: BLE001 - report and go on with the next case
+      emit("check", name=name, ok=False, error=first_lines(e),
+           seconds=round(time.time() - t0, 1))
+
+
+# -- part 2: speed -----------------------------------------------------------------------------
+PREFILLS = [(4, 4096), (16, 1024), (1, 16384)]
+MIX = ([4096] + [1] * 64, [0] + [4096] * 64)
+HQ, H, D, N = 32, 8, 128, 16
+
+
+def run_bench(smoke: bool = False):
+  """Time every implementation; ``smoke``: tiny problems (plumbing check on CPU)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import kvjax
+  from benchmarks.common import time_jax, time_torch
+  rng = np.random.default_rng(1)
+  scale = D ** -0.5
+
+  def timed(impl, problem, fn, flops):
+    try:
+      ms = fn()
+      emit("bench", impl=impl, problem=problem, ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+    except Exception as e:  # noqa: BLE001
+      emit("bench", impl=impl, problem=problem, error=first_lines(e))
+
+  prefills, mix = ([(1, 64)], ([32, 1], [0, 64])) if smoke else (PREFILLS, MIX)
+  problems = [(f"{s}x{L} causal prefill", [L] * s, [0] * s) for s, L in prefills]
+  problems.append((f"1x{mix[0][0]} prefill + {len(mix[0]) - 1} decodes at {mix[1][1]}", *mix))
+  timing = dict(reps=1, inner=1, warmup=1) if smoke else {}
+  for problem, ql, cl in problems:
+    flops = 4 * visible_pairs(ql, cl) * HQ * D
+    mql = max(ql)
+    for layout in ("NHD", "HND"):
+      spec = kvjax.KVCacheSpec(H, D, N, layout=layout, dtype=jnp.bfloat16)
+      args = paged_batch(rng, spec, ql, cl, HQ, fill="random")
+      if layout == "NHD":
+        f = triton_fn(spec, scale, mql)
+        timed("Pallas-Triton (kvjax) NHD", problem, lambda: time_jax(f, *args, **timing), flops)
+      f = ours_fn(spec, scale, mql)
+      timed(f"Mosaic GPU (ours) {layout}", problem, lambda: time_jax(f, *args, **timing), flops)
+      del args
+    if len(set(ql)) == 1:          # dense baselines: equal-length causal prefills
+      dense_baselines(timed, problem, len(ql), ql[0], flops)
+  # Tile sweep of this kernel on the first problem (NHD): bq, consumer warpgroups, keys per
+  # step, K/V slots. The default (tiles.choose_geometry) is the 128 x 2 / 2-slot row.
+  from pallas_kernels.mosaic_gpu.tiles import TileGeometry
+  problem, ql, cl = problems[0]
+  flops = 4 * visible_pairs(ql, cl) * HQ * D
+  spec = kvjax.KVCacheSpec(H, D, N, dtype=jnp.bfloat16)
+  args = paged_batch(rng, spec, ql, cl, HQ, fill="random")
+  g = HQ // H
+  for bq, wgs, bk, stages in ((32, 2, 64, 4), (32, 2, 64, 3), (32, 2, 128, 2),
+                              (16, 1, 128, 3), (16, 1, 64, 4)):
+    geo = TileGeometry(g, bq, wgs, bk, stages, N)
+    f = ours_fn(spec, scale, max(ql), geometry=geo)
+    timed(f"Mosaic GPU (ours) NHD bq={bq} wgs={wgs} bk={bk} stages={stages}", problem,
+          lambda: time_jax(f, *args, **timing), flops)
+
+
+def dense_baselines(timed, problem, s, L, flops):
+  import jax
+  import jax.numpy as jnp
+  from benchmarks.common import time_jax, time_torch
+  key = jax.random.PRNGKey(0)
+  q = jax.random.normal(key, (s, L, HQ, D), jnp.bfloat16)
+  k = jax.random.normal(jax.random.PRNGKey(1), (s, L, H, D), jnp.bfloat16)
+  v = jax.random.normal(jax.random.PRNGKey(2), (s, L, H, D), jnp.bfloat16)
+
+  def mgpu():
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+    cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+    f = jax.jit(functools.partial(am.attention, config=cfg))
+    return time_jax(f, q, k, v)
+  timed("JAX attention_mgpu (dense KV)", problem, mgpu, flops)
+
+  def cudnn():
+    f = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(
+        a, b, c, scale=D ** -0.5, is_causal=True, implementation="cudnn"))
+    return time_jax(f, q, k, v)
+  timed("cuDNN via JAX (dense KV)", problem, cudnn, flops)
+  del q, k, v
+
+  def sdpa():
+    import torch
+    import torch.nn.functional as tf
+    qt = torch.randn(s, HQ, L, D, device="cuda", dtype=torch.bfloat16)
+    kt = torch.randn(s, H, L, D, device="cuda", dtype=torch.bfloat16)
+    vt = torch.randn(s, H, L, D, device="cuda", dtype=torch.bfloat16)
+    return time_torch(lambda: tf.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                                              enable_gqa=True))
+  timed("torch SDPA enable_gqa (dense KV)", problem, sdpa, flops)
+
+
+# -- parent: run the parts, collect, print, save -----------------------------------------------
+def run_part(part: str, limit: int, extra: list) -> tuple[list, str]:
+  """Run one part in a child process; (result rows, status)."""
+  cmd = [sys.executable, os.path.abspath(__file__), "--part", part, *extra]
+  rows, status = [], "ok"
+  t0 = time.time()
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+  try:
+    for line in iter_lines(proc, t0 + limit):
+      if line.startswith(PREFIX):
+        row = json.loads(line[len(PREFIX):])
+        rows.append(row)
+        print(describe(row), flush=True)
+      elif line.strip() and not line.startswith("WARNING"):
+        print(f"    [{part}] {line.rstrip()[:300]}", flush=True)
+  except TimeoutError:
+    proc.kill()
+    status = f"TIMEOUT after {limit} s (hang or slow compile): later items missing"
+  proc.wait()
+  if status == "ok" and proc.returncode:
+    status = f"child exited with {proc.returncode}"
+  print(f"== part {part}: {status} ({time.time() - t0:.0f} s)", flush=True)
+  return rows, status
+
+
+def iter_lines(proc, deadline):
+  import selectors
+  sel = selectors.DefaultSelector()
+  sel.register(proc.stdout, selectors.EVENT_READ)
+  while True:
+    left = deadline - time.time()
+    if left <= 0:
+      raise TimeoutError
+    if not sel.select(timeout=min(left, 5.0)):
+      continue
+    line = proc.stdout.readline()
+    if not line:
+      return
+    yield line
+
+
+def describe(row) -> str:
+  if row["kind"] == "check":
+    if "error" in row:
+      return f"[check] {row['name']}: FAIL {row['error']}"
+    return (f"[check] {row['name']}: max err {row['max_err']:.2e} (ref max {row['ref_max']:.2f}),"
+            f" padding zero {row['padding_zero']} -> {'PASS' if row['ok'] else 'FAIL'}"
+            f" [{row['seconds']} s]")
+  if row["kind"] == "bench":
+    if "error" in row:
+      return f"[bench] {row['problem']} | {row['impl']}: FAILED {row['error']}"
+    return (f"[bench] {row['problem']} | {row['impl']}: {row['ms']:.3f} ms,"
+            f" {row['tflops']:.1f} TFLOP/s")
+  return f"[info] {row}"
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--part", choices=sorted(PARTS), help="run one part here (child mode)")
+  ap.add_argument("--only", choices=sorted(PARTS), help="run only this part (parent mode)")
+  ap.add_argument("--smoke", action="store_true",
+                  help="tiny timing problems (CPU: checks the plumbing, every GPU item fails)")
+  args = ap.parse_args()
+  if args.part == "checks":
+    run_checks()
+    return
+  if args.part == "bench":
+    run_bench(args.smoke)
+    return
+  from benchmarks.common import now_utc, versions
+  t0 = time.time()
+  ver = versions()
+  print("versions:", ver, flush=True)
+  result = dict(date=now_utc(), versions=ver, parts={}, rows=[])
+  for part, limit in PARTS.items():
+    if args.only and part != args.only:
+      continue
+    rows, status = run_part(part, limit, ["--smoke"] if args.smoke else [])
+    result["parts"][part] = status
+    result["rows"] += rows
+  checks = [r for r in result["rows"] if r["kind"] == "check"]
+  bench = [r for r in result["rows"] if r["kind"] == "bench" and "error" not in r]
+  print("\n| check | max err / ref max | result |\n|---|---|---|")
+  for r in checks:
+    rel = "-" if "error" in r else f"{r['max_err']:.2e} / {r['ref_max']:.2f}"
+    print(f"| {r['name']} | {rel} | {'PASS' if r['ok'] else 'FAIL'} |")
+  impls = list(dict.fromkeys(r["impl"] for r in bench))
+  problems = list(dict.fromkeys(r["problem"] for r in bench))
+  print("\nTFLOP/s (ms)\n| implementation | " + " | ".join(problems) + " |")
+  print("|---|" + "---|" * len(problems))
+  for impl in impls:
+    cells = []
+    for p in problems:
+      hit = [r for r in bench if r["impl"] == impl and r["problem"] == p]
+      cells.append(f"{hit[0]['tflops']:.0f} ({hit[0]['ms']:.2f})" if hit else "-")
+    print(f"| {impl} | " + " | ".join(cells) + " |")
+  n_ok = sum(r["ok"] for r in checks)
+  print(f"\nchecks: {n_ok}/{len(checks)} PASS; total {time.time() - t0:.0f} s", flush=True)
+  if os.environ.get("OUT"):
+    path = os.path.join(os.environ["OUT"], "mosaic_gpu.json")
+    with open(path, "w") as fh:
+      json.dump(result, fh, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

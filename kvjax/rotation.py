@@ -1,0 +1,82 @@
+"""The randomized Hadamard transform (RHT) that vLLM applies around its int4 per-token-head cache.
+
+vLLM 0.28 rotates every K and V row before int4 quantization, and rotates the queries (and
+un-rotates the output) in attention, so that outliers are spread over the whole head:
+
+  forward:  ``rht(x)         = H_D (x * signs)``
+  inverse:  ``rht(y, True)   = (H_D y) * signs``      (``rht(rht(x), True) == D * x``)
+
+``H_D`` is the unnormalized Walsh–Hadamard matrix of Sylvester order (``H_1 = [1]``,
+``H_2n = [[H_n, H_n], [H_n, -H_n]]``), computed here with the log2(D) butterfly stages in
+float32, and ``signs`` a fixed ±1 vector. The signs are vLLM's: the first D draws of
+``2 * bernoulli(0.5) - 1`` from a CPU ``torch.Generator`` seeded ``0x9E3779B9``. That
+sequence is prefix-consistent (the signs of D are the first D signs of 2D), so one
+constant of 1024 sign bits serves every power-of-two head size up to 1024;
+``tests/test_rotation.py`` re-derives it with torch when torch is installed.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+#: Bit i set = sign i is -1, for i < 1024 (vLLM's RHT signs, see the module docstring).
+_SIGN_BITS_1024 = int(
+    "f6680674bb9454f056a40da04bee5a90c78728fd237771ac1e32d587b2e4cf051d541dfe0f3cfceba50d373fe2"
+    "9e73330ca36fb4eb0082b6d9cf73a9668ae4e375625346365fdb8932d9dff1cfc7869167fc4ca6e46ae22557"
+    "563834b291e3cc05dfbc5fcdf467b754503bbeb55b747e9480abc759bbc2937f7fca4e9a8ca6f2", 16)
+MAX_HEAD_SIZE = 1024
+
+
+def check_head_size(head_size: int) -> int:
+  """``head_size`` if the RHT is defined for it (a power of two in [2, 1024]), else ValueError."""
+  d = int(head_size)
+  if d < 2 or d > MAX_HEAD_SIZE or d & (d - 1):
+    raise ValueError(f"head_size={head_size}: the Hadamard rotation needs a power of two in "
+                     f"[2, {MAX_HEAD_SIZE}]")
+  return d
+
+
+@functools.lru_cache(maxsize=None)
+def rht_signs(head_size: int) -> np.ndarray:
+  """vLLM's ±1 RHT signs for ``head_size``, float32 ``[D]``."""
+  d = check_head_size(head_size)
+  bits = (_SIGN_BITS_1024 >> np.arange(d, dtype=object)) & 1
+  return np.where(bits.astype(bool), -1.0, 1.0).astype(np.float32)
+
+
+def hadamard(x):
+  """Unnormalized Walsh–Hadamard transform of the last axis (Sylvester order), float32.
+
+  ``x [..., D]`` with D a power of two -> float32 ``[..., D]``, exactly ``x @ H_D`` computed
+  as log2(D) butterfly stages (each ``(a, b) -> (a + b, a - b)`` on halves of size h).
+  """
+  x = jnp.asarray(x, jnp.float32)
+  d = check_head_size(x.shape[-1])
+  lead = x.shape[:-1]
+  h = 1
+  while h < d:
+    v = x.reshape(lead + (d // (2 * h), 2, h))
+    a, b = v[..., 0, :], v[..., 1, :]
+    x = jnp.stack([a + b, a - b], axis=-2).reshape(lead + (d,))
+    h *= 2
+  return x
+
+
+def rht(x, inverse: bool = False):
+  """The RHT of the last axis in float32: ``H(x * signs)``, or ``H(x) * signs`` if ``inverse``.
+
+  ``x [..., D]`` any float dtype -> float32 ``[..., D]``. Unnormalized: applying the forward
+  and then the inverse transform multiplies by D.
+
+  >>> import numpy as np
+  >>> x = np.arange(8, dtype=np.float32)
+  >>> np.asarray(rht(rht(x), inverse=True) / 8).tolist()
+  [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+  """
+  x = jnp.asarray(x, jnp.float32)
+  signs = jnp.asarray(rht_signs(x.shape[-1]))
+  if inverse:
+    return hadamard(x) * signs
+  return hadamard(x * signs)

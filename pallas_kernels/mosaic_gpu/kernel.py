@@ -1,0 +1,299 @@
+"""The Mosaic GPU (Hopper) kernel body of the ragged paged attention.
+
+One CUDA block per (KV head, query tile) (:mod:`pallas_kernels.mosaic_gpu.tiles`), with
+``num_wgs + 1`` warpgroups:
+
+* the **producer** warpgroup (the last one, few registers) walks the tile's key steps and,
+  per step, reads the block ids from the block table and issues one TMA copy per
+  ``piece`` tokens for K and for V of this KV head straight out of the packed cache
+  (NHD: an ``(piece, D)`` box with rows ``H * 2D`` apart; HND: rows ``2D`` apart), into
+  ``stages`` shared-memory slots; it reuses a slot once every consumer has released it;
+* each **consumer** warpgroup owns 64 rows of the tile: it loads its q slabs by TMA once,
+  then per step waits for the K slot, computes ``S = q K^T`` with wgmma (float32
+  accumulators in registers), releases K, applies scale, soft cap and the causal / window /
+  sequence-end mask (only on steps that cross an edge), updates the online softmax in the
+  exp2 domain, waits for V, and accumulates ``P V`` with wgmma (P in registers as q's dtype).
+
+Keys past the sequence end in the last step are whatever the cache holds there (stale
+bytes, NaN): their scores are selected away, and the V rows of that step past the end are
+zeroed in shared memory before ``P V`` so that ``0 * NaN`` never happens. The output goes
+through a shared-memory staging buffer and TMA stores of power-of-two row counts, so only
+the tile's real tokens are written (tiles of other sequences own the rest).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic_gpu import tiles as TL
+from pallas_kernels.mosaic_gpu.compat import interpret_params
+
+_LOG2E = math.log2(math.e)
+_M_INIT = -1e30   # running max before any key: finite, so exp2(m_old - m_new) is never NaN
+_SWIZZLE = 128    # bytes: the widest wgmma swizzle; 64 bf16 columns per tile row
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatics:
+  """Everything static the kernel body needs."""
+  geo: TL.TileGeometry
+  head_size: int             # D
+  num_kv_heads: int          # H
+  layout: str                # "NHD" / "HND"
+  num_blocks: int            # B
+  max_blocks: int            # block_table.shape[1]
+  num_tiles: int
+  causal: bool
+  window: Optional[int]
+  soft_cap: Optional[float]
+  has_sinks: bool
+  scale: float
+  dtype: object              # q / cache element dtype (16-bit)
+  interpret: bool = False    # Mosaic GPU interpret mode (CPU)
+
+
+def _smem_tiled(shape, dtype):
+  """A shared-memory buffer in the layout wgmma reads: (8, 64)-element tiles, 128B swizzle."""
+  cols = _SWIZZLE // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
+                                              plgpu.SwizzleTransform(_SWIZZLE)))
+
+
+def _kv_box(cache_ref, st: KernelStatics, blk, h, off, n, side):
+  """``(n, D)`` GMEM box of K (side 0) or V (side 1) of head h, tokens off..off+n of page blk."""
+  cols = pl.ds(side * st.head_size, st.head_size)
+  if st.layout == "NHD":
+    return cache_ref.at[blk, pl.ds(off, n), h, cols]
+  return cache_ref.at[blk, h, pl.ds(off, n), cols]
+
+
+def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
+            st: KernelStatics):
+  (q_smem, o_smem, k_smem, v_smem, p_smem), q_bars, (k_bars, v_bars), (k_free, v_free) = scratch
+  geo = st.geo
+  g_count, bq, bk, d = geo.group, geo.bq, geo.block_kv, st.head_size
+  cast = plgpu.layout_cast
+  wgmma_layout = plgpu.Layout.WGMMA
+  h = lax.axis_index("head")
+  tile = st.num_tiles - 1 - lax.axis_index("tile")   # the last tiles (most keys) first
+  wg = lax.axis_index("wg")
+  tok0 = meta_ref[TL.META_TOK0, tile]
+  nq = meta_ref[TL.META_NQ, tile]
+  pos0 = meta_ref[TL.META_POS0, tile]
+  kv_len = meta_ref[TL.META_KV_LEN, tile]
+  bt_row = meta_ref[TL.META_BT_ROW, tile]
+
+  # Key steps of the tile [j_lo, j_hi), and [b, c): steps every real row sees in full.
+  pos_last = pos0 + nq - 1
+  kv_hi = jnp.minimum(kv_len, pos_last + 1) if st.causal else kv_len
+  kv_lo = jnp.maximum(pos0 - st.window + 1, 0) if st.window else jnp.int32(0)
+  j_lo = lax.div(kv_lo, bk)
+  j_hi = jnp.where((nq > 0) & (kv_hi > kv_lo), lax.div(kv_hi + bk - 1, bk), j_lo)
+  full_lo = (lax.div(jnp.maximum(pos_last - st.window + 1, 0) + bk - 1, bk)
+             if st.window else j_lo)
+  full_end = jnp.minimum(pos0 + 1, kv_len) if st.causal else kv_len
+  b = jnp.clip(full_lo, j_lo, j_hi)
+  c = jnp.clip(lax.div(full_end, bk), b, j_hi)
+  num_steps = j_hi - j_lo
+
+  @pl.when(wg < geo.num_wgs)
+  def _consumer():
+    plgpu.set_max_registers(232 if geo.num_wgs == 2 else 240, action="increase")
+    for w in range(geo.num_wgs):                 # q slabs of this warpgroup, one barrier
+      @pl.when((wg == w) & (nq > 0))               # surplus tiles: no rows, no keys
+      def _load_q():
+        for sl in geo.slabs(w):
+          plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + sl.tok, sl.n), h * g_count + sl.g],
+                                  q_smem.at[w, pl.ds(sl.row, sl.n)], q_bars[w])
+        plgpu.barrier_wait(q_bars[w])
+    q_wg = q_smem.at[wg]
+
+    shape = (TL.WG_ROWS, bk)
+    row = cast(lax.broadcasted_iota(jnp.int32, shape, 0), wgmma_layout) + wg * TL.WG_ROWS
+    col = cast(lax.broadcasted_iota(jnp.int32, shape, 1), wgmma_layout)
+    q_pos = pos0 + lax.rem(row, bq)              # absolute position of each row's token
+
+    row_layout = wgmma_layout.reduce(1)
+    if st.has_sinks:   # a sink is one more logit in the softmax: start from m = sink, l = 1
+      g_of_row = lax.div(row, bq)
+      sink = jnp.full(shape, _M_INIT, jnp.float32)
+      for g in range(g_count):
+        sink = jnp.where(g_of_row == g, sinks_ref[h * g_count + g] * _LOG2E, sink)
+      m0 = sink.max(axis=1)
+      l0 = cast(jnp.full((TL.WG_ROWS,), 1.0, jnp.float32), row_layout)
+    else:
+      m0 = cast(jnp.full((TL.WG_ROWS,), _M_INIT, jnp.float32), row_layout)
+      l0 = cast(jnp.zeros((TL.WG_ROWS,), jnp.float32), row_layout)
+    acc0 = cast(jnp.zeros((TL.WG_ROWS, d), jnp.float32), wgmma_layout)
+
+    def step(j, carry, masked: bool):
+      acc, m, l = carry
+      slot = lax.rem(j - j_lo, geo.stages)
+      plgpu.barrier_wait(k_bars.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      s = s * (st.scale * _LOG2E)
+      if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
+        cap = st.soft_cap * _LOG2E
+        s = cap * jnp.tanh(s * (1.0 / cap))
+      if masked:
+        key = j * bk + col
+        vis = key < kv_len
+        if st.causal:
+          vis = vis & (key <= q_pos)
+        if st.window:
+          vis = vis & (q_pos - key < st.window)
+        s = jnp.where(vis, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(st.dtype)
+      plgpu.barrier_wait(v_bars.at[slot])
+      if masked:
+        @pl.when((j + 1) * bk > kv_len)
+        def _zero_v_past_end():   # 64 rows at a time: fewer live registers
+          v_row = cast(lax.broadcasted_iota(jnp.int32, (TL.WG_ROWS, d), 0), wgmma_layout)
+          for r0 in range(0, bk, TL.WG_ROWS):
+            v_ref = v_smem.at[slot, pl.ds(r0, TL.WG_ROWS)]
+            keep = v_row < kv_len - j * bk - r0
+            v_ref[...] = jnp.where(keep, v_ref[...], 0).astype(st.dtype)
+          plgpu.commit_smem()
+
+      acc = _accumulate_pv(acc, p16, v_smem.at[slot], None if p_smem is None else p_smem.at[wg])
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    carry = (acc0, m0, l0)
+    carry = lax.fori_loop(j_lo, b, lambda j, cr: step(j, cr, True), carry)
+    carry = lax.fori_loop(b, c, lambda j, cr: step(j, cr, False), carry)
+    acc, _, l = lax.fori_loop(c, j_hi, lambda j, cr: step(j, cr, True), carry)
+
+    l_safe = jnp.where(l > 0, l, 1.0)
+    out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    o_smem.at[wg][...] = out.astype(st.dtype)
+    plgpu.commit_smem()
+    for w in range(geo.num_wgs):
+      @pl.when(wg == w)
+      def _store():
+        for sl in geo.slabs(w):
+          _store_rows(o_smem.at[w], o_ref, sl, tok0, nq, h * g_count + sl.g)
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == geo.num_wgs)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    piece = geo.piece
+
+    def issue(i, slot, side, bars):
+      j = j_lo + i
+      for p in range(geo.pieces_per_step):
+        key0 = j * bk + p * piece
+        page = jnp.minimum(lax.div(key0, geo.block_size), st.max_blocks - 1)
+        blk = jnp.clip(bt_ref[bt_row + page], 0, st.num_blocks - 1)
+        src = _kv_box(cache_ref, st, blk, h, lax.rem(key0, geo.block_size), piece, side)
+        dst = (k_smem if side == 0 else v_smem).at[slot, pl.ds(p * piece, piece)]
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
+
+    for i in range(geo.stages):
+      @pl.when(i < num_steps)
+      def _prologue():
+        issue(i, i, 0, k_bars)
+        issue(i, i, 1, v_bars)
+
+    @pl.loop(geo.stages, num_steps)
+    def _steady(i):
+      slot = lax.rem(i, geo.stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      issue(i, slot, 0, k_bars)
+      plgpu.barrier_wait(v_free.at[slot])
+      issue(i, slot, 1, v_bars)
+
+
+def _accumulate_pv(acc, p16, v_ref, p_ref):
+  """``acc + p16 @ v_ref`` with wgmma.
+
+  Compiled (``p_ref`` None): P is the register A operand and the registers of ``acc`` are
+  the wgmma accumulator (``run_state``). Interpret mode takes neither a register A operand
+  nor ``run_state`` over wgmma refs, so there P goes through the shared-memory buffer
+  ``p_ref`` and the product into a fresh accumulator added in registers (same math).
+  """
+  if p_ref is None:
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, p16, v_ref)
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+  p_ref[...] = p16
+  plgpu.commit_smem()
+
+  def fresh(acc_ref):
+    plgpu.wgmma(acc_ref, p_ref, v_ref)
+    return acc_ref[...]
+  return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _store_rows(o_stage, o_ref, sl: TL.Slab, tok0, nq, head):
+  """TMA-store the slab's real rows (``clip(nq - sl.tok, 0, sl.n)`` of them) as pieces of
+  ``sl.n, sl.n/2, ..., 1`` rows: the TMA box is static, the row count is not."""
+  count = jnp.clip(nq - sl.tok, 0, sl.n)
+  start = jnp.int32(0)
+  size = sl.n
+  while size >= 1:
+    @pl.when((count & size) != 0)
+    def _piece(size=size, start=start):
+      plgpu.copy_smem_to_gmem(o_stage.at[pl.ds(sl.row + start, size)],
+                              o_ref.at[pl.ds(tok0 + sl.tok + start, size), head])
+    start = start + (count & size)
+    size //= 2
+
+
+def ragged_attention_call(meta, block_table_flat, sinks, q, cache, *, st: KernelStatics):
+  """Launch the kernel.
+
+  meta: int32 ``[META_ROWS, num_tiles]`` (:func:`tiles.tile_metadata`); block_table_flat:
+  int32 ``[S * max_blocks]``; sinks: float32 ``[Hq]`` (ignored without sinks); q:
+  ``[T, Hq, D]``; cache: the physical cache. With ``st.interpret`` the kernel runs on CPU in
+  Mosaic GPU interpret mode (warpgroups as threads, simulated TMA and barriers). Returns
+  ``[T, Hq, D]`` in q's dtype.
+  """
+  geo = st.geo
+  d = st.head_size
+  q_bars = tuple(plgpu.Barrier(num_arrivals=len(geo.slabs(w))) for w in range(geo.num_wgs))
+  kv_bars = plgpu.Barrier(num_arrivals=geo.pieces_per_step, num_barriers=geo.stages)
+  free_bars = plgpu.Barrier(num_arrivals=geo.num_wgs, num_barriers=geo.stages)
+  smem = (_smem_tiled((geo.num_wgs, TL.WG_ROWS, d), st.dtype),
+          plgpu.SMEM((geo.num_wgs, TL.WG_ROWS, d), st.dtype),
+          _smem_tiled((geo.stages, geo.block_kv, d), st.dtype),
+          _smem_tiled((geo.stages, geo.block_kv, d), st.dtype),
+          _smem_tiled((geo.num_wgs, TL.WG_ROWS, geo.block_kv), st.dtype) if st.interpret else None)
+
+  def entry(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref):
+    pl.run_scoped(
+        lambda *scratch: _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref,
+                                 scratch, st=st),
+        smem, q_bars, (kv_bars, kv_bars), (free_bars, free_bars),
+        collective_axes="wg")
+
+  return plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(st.num_kv_heads, st.num_tiles),
+      grid_names=("head", "tile"),
+      num_threads=geo.num_wgs + 1,
+      thread_name="wg",
+      interpret=interpret_params() if st.interpret else None,
+      compiler_params=plgpu.CompilerParams(   # Lane semantics on every version: compat.py
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+  )(meta, block_table_flat, sinks, q, cache)

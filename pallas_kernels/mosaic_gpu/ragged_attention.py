@@ -1,0 +1,153 @@
+"""Mosaic GPU (Hopper) ragged paged attention over the packed cache (spec §6).
+
+Entry point :func:`ragged_paged_attention`, with the semantics of
+:func:`kvjax.reference.unified_attention`: prefills with a cached prefix and decodes in one
+ragged batch, GQA of any ratio up to 16 (8 at head size 256), causal, sliding window, soft cap, per-head sinks;
+padding tokens and rows with no visible key give 0. :func:`supports_attention` says when
+it applies (None) or why not (a one-line reason). The kernel body and its pipeline are in
+:mod:`pallas_kernels.mosaic_gpu.kernel`, the tiling in :mod:`pallas_kernels.mosaic_gpu.tiles`.
+
+Static sizes: the grid is ``(H, cdiv(T, bq) + S + 1)`` (T rounded up to a multiple of 8: q is
+padded when it is not, which costs a copy of q and of the output) with ``bq`` from the max_query_len
+bucket (a power of two), so one compiled kernel serves every step with the same
+``(T, S, max_blocks)`` and bucket; surplus programs exit at once.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import formats as F
+from kvjax.spec import KVCacheSpec
+from pallas_kernels import ragged_schedule as sched
+from pallas_kernels.mosaic_gpu import tiles as TL
+from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
+
+SUPPORTED_HEAD_SIZES = (64, 128, 256)
+SUPPORTED_Q_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+MIN_JAX = (0, 11)
+
+
+def _gpu_reason() -> str | None:
+  """None when the default backend is an sm90+ NVIDIA GPU, else why not."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError as e:   # no backend at all
+    return f"no JAX device: {e}"
+  if dev.platform != "gpu":
+    return f"needs an NVIDIA GPU (sm90+); the default device is {dev.platform}"
+  cc = getattr(dev, "compute_capability", None)
+  try:
+    major = int(str(cc).split(".")[0])
+  except ValueError:
+    return f"cannot read the GPU's compute capability ({cc!r})"
+  if major < 9:
+    return f"needs sm90+ (wgmma, TMA); this GPU is sm{str(cc).replace('.', '')}"
+  return None
+
+
+def spec_reason(spec: KVCacheSpec, q_dtype, group: int | None = None) -> str | None:
+  """Why the kernel cannot take this spec / q dtype / GQA group (None: it can). Device-free."""
+  if not isinstance(spec, KVCacheSpec):
+    return f"spec must be a kvjax.KVCacheSpec, got {type(spec).__name__}"
+  if spec.format.kind != F.PLAIN:
+    return f"cache_dtype={spec.cache_dtype!r}: the Mosaic GPU kernel reads plain 16-bit caches"
+  if np.dtype(spec.storage_dtype) not in SUPPORTED_Q_DTYPES:
+    return f"cache storage {np.dtype(spec.storage_dtype)}: the kernel takes bfloat16/float16"
+  if np.dtype(q_dtype) != np.dtype(spec.storage_dtype):
+    return f"q dtype {np.dtype(q_dtype)} differs from the cache's {np.dtype(spec.storage_dtype)}"
+  if spec.head_size not in SUPPORTED_HEAD_SIZES:
+    return f"head_size={spec.head_size}: the kernel takes {SUPPORTED_HEAD_SIZES}"
+  if group is not None and not 1 <= group <= TL.max_group(spec.head_size):
+    return (f"GQA group {group}: the kernel packs at most {TL.max_group(spec.head_size)} query "
+            f"heads per KV head at head size {spec.head_size}")
+  return None
+
+
+def supports_attention(spec, q_dtype) -> str | None:
+  """None when :func:`ragged_paged_attention` runs here for ``spec`` and ``q_dtype``, else a
+  one-line reason (jax older than 0.11, no sm90+ GPU, cache format, dtype, head size)."""
+  reason = spec_reason(spec, q_dtype)
+  if reason is not None:
+    return reason
+  if JAX_VERSION < MIN_JAX:
+    return f"jax {jax.__version__}: the Mosaic GPU kernel needs jax >= 0.11"
+  return _gpu_reason()
+
+
+def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
+                           block_table, scale, causal=True, sliding_window=None, soft_cap=None,
+                           sinks=None, k_scale=None, v_scale=None, max_query_len=None,
+                           interpret=False):
+  """Ragged paged attention; arguments as :func:`kvjax.reference.unified_attention`.
+
+  Args:
+    q: ``[T, Hq, D]`` bf16/f16 (the cache's dtype), Hq = G * H with G <= 16 (8 at D = 256).
+    cache: the spec's physical cache (NHD ``(B, N, H, 2D)`` or HND ``(B, H, N, 2D)``).
+    query_start_loc: int32 ``[S+1]``; seq_lens: int32 ``[S]``; block_table: int32
+      ``[S, max_blocks]``.
+    scale: softmax scale. causal, sliding_window, soft_cap: static.
+    sinks: float32 ``[Hq]`` per-query-head sink logits or None.
+    k_scale, v_scale: unused (plain caches only); accepted for the common signature.
+    max_query_len: static bound on every sequence's query length (None = T); its power-of-two
+      bucket sets the tile's token count.
+    interpret: run in Mosaic GPU interpret mode on CPU (jax >= 0.11; slow, small shapes).
+  Returns:
+    ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
+  """
+  return ragged_paged_attention_tiled(
+      q, cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
+      block_table=block_table, scale=scale, causal=causal, sliding_window=sliding_window,
+      soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+      max_query_len=max_query_len, interpret=interpret)
+
+
+def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
+                                 block_table, scale, causal=True, sliding_window=None,
+                                 soft_cap=None, sinks=None, k_scale=None, v_scale=None,
+                                 max_query_len=None, interpret=False,
+                                 geometry: TL.TileGeometry | None = None):
+  """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
+  :func:`tiles.choose_geometry`), for benchmark sweeps."""
+  del k_scale, v_scale
+  from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
+  t, hq, d = q.shape
+  h = spec.num_kv_heads
+  if hq % h:
+    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={h}")
+  if d != spec.head_size:
+    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
+  group = hq // h
+  reason = spec_reason(spec, q.dtype, group)
+  if reason is not None:
+    raise ValueError(f"Mosaic GPU ragged attention: {reason}")
+  num_seqs = seq_lens.shape[0]
+  if t == 0 or num_seqs == 0:
+    return jnp.zeros(q.shape, q.dtype)
+  mql = t if max_query_len is None else int(max_query_len)
+  if mql <= 0:
+    raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
+  mql = min(sched.next_pow2(mql), sched.next_pow2(t))
+  geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql,
+                                       np.dtype(q.dtype).itemsize)
+  if geo.group != group or geo.block_size != spec.block_size:
+    raise ValueError(f"geometry {geo} does not match group {group} / block size "
+                     f"{spec.block_size}")
+  # q's TMA boxes tile the token axis by 8 rows: pad T up to a multiple of 8 (padding tokens).
+  t_in = sched.cdiv(t, TL.MIN_BQ) * TL.MIN_BQ
+  q_in = q if t_in == t else jnp.pad(q, ((0, t_in - t), (0, 0), (0, 0)))
+  num_tiles = TL.num_tiles_bound(t_in, num_seqs, geo.bq)
+  max_blocks = block_table.shape[1]
+  meta = TL.tile_metadata(query_start_loc, seq_lens, max_blocks, t_in, num_tiles, geo.bq)
+  st = K.KernelStatics(
+      geo=geo, head_size=d, num_kv_heads=h, layout=spec.layout,
+      num_blocks=spec.num_blocks_of(cache), max_blocks=max_blocks, num_tiles=num_tiles,
+      causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
+      soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
+      scale=float(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret))
+  sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
+        else jnp.asarray(sinks, jnp.float32).reshape(hq))
+  out = K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk, q_in,
+                                cache, st=st)
+  return out if t_in == t else out[:t]

@@ -1,0 +1,222 @@
+"""Mosaic GPU ragged attention (pallas_kernels.mosaic_gpu), everything a CPU can check.
+
+* tile geometry and per-tile metadata against brute force (pure Python / jnp);
+* lowering to Mosaic GPU IR for CUDA with ``jax.export(platforms=["cuda"])``: the Pallas ->
+  Mosaic GPU lowering (TMA boxes, wgmma shapes, shared-memory transforms, barriers) runs on
+  CPU, only PTX compilation needs the GPU;
+* numerics in Mosaic GPU interpret mode (warpgroups as threads, simulated TMA and barriers)
+  against ``kvjax.reference.unified_attention`` on poisoned caches: needs jax >= 0.11 (jax
+  0.10.2's interpreter lacks out-of-bounds TMA reads and transposed wgmma operands), so CI on
+  0.10.2 skips it; ``benchmarks/check_mosaic_gpu.py`` runs the compiled kernel on an H200.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import kvjax
+from kvjax.reference import unified_attention as ref_attention
+from kvjax.reference import write_kv
+from pallas_kernels.mosaic_gpu import tiles as TL
+from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
+from pallas_kernels.mosaic_gpu.ragged_attention import (ragged_paged_attention, spec_reason,
+                                                        supports_attention)
+
+
+# -- tile geometry -----------------------------------------------------------------------------
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("max_query_len", [1, 8, 32, 4096])
+def test_geometry_slabs_cover_each_head_once(head_size, max_query_len):
+  for group in range(1, TL.max_group(head_size) + 1):
+    geo = TL.choose_geometry(group, head_size, 16, max_query_len)
+    assert geo.bq >= TL.MIN_BQ and geo.bq & (geo.bq - 1) == 0
+    assert geo.group * geo.bq <= geo.rows
+    assert geo.smem_bytes(head_size, 2) <= TL.SMEM_BUDGET
+    seen = set()
+    for wg in range(geo.num_wgs):
+      rows = set()
+      for sl in geo.slabs(wg):
+        assert sl.row % 8 == 0 and sl.n % 8 == 0 and sl.row + sl.n <= TL.WG_ROWS
+        assert not rows & set(range(sl.row, sl.row + sl.n))
+        rows |= set(range(sl.row, sl.row + sl.n))
+        seen |= {(sl.g, t) for t in range(sl.tok, sl.tok + sl.n)}
+    assert seen == {(g, t) for g in range(group) for t in range(geo.bq)}, (group, geo)
+
+
+def test_geometry_pieces_never_straddle_a_page():
+  for block_size in (16, 32, 48, 64, 80, 128, 256):
+    geo = TL.choose_geometry(4, 128, block_size, 512)
+    assert block_size % geo.piece == 0 and geo.block_kv % geo.piece == 0
+
+
+def test_geometry_rejects_bad_groups():
+  with pytest.raises(ValueError, match="GQA group size 17"):
+    TL.choose_geometry(17, 128, 16, 64)
+  with pytest.raises(ValueError, match="GQA group size 9"):
+    TL.choose_geometry(9, 256, 16, 64)
+
+
+# -- per-tile metadata -------------------------------------------------------------------------
+def _random_batch_meta(rng):
+  num_seqs = int(rng.integers(1, 7))
+  q_lens = rng.integers(0, 40, num_seqs) * (rng.random(num_seqs) < 0.8)
+  ctx = rng.integers(0, 100, num_seqs)
+  pad = int(rng.integers(0, 20))
+  t = int(q_lens.sum()) + pad
+  qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  return q_lens, ctx, t, qsl, (q_lens + ctx).astype(np.int32)
+
+
+@pytest.mark.parametrize("bq", [8, 64])
+def test_tile_metadata_covers_every_token_once(rng, bq):
+  for _ in range(3):
+    q_lens, ctx, t, qsl, seq_lens = _random_batch_meta(rng)
+    if t == 0:
+      continue
+    num_tiles = TL.num_tiles_bound(t, len(q_lens), bq)
+    meta = np.asarray(TL.tile_metadata(jnp.asarray(qsl), jnp.asarray(seq_lens), 9, t,
+                                       num_tiles, bq))
+    assert meta.shape == (TL.META_ROWS, num_tiles)
+    owner = -np.ones(t, np.int64)
+    for j in range(num_tiles):
+      tok0, nq, pos0, kv_len, bt_row = meta[:, j]
+      assert 0 <= nq <= bq
+      for i in range(nq):
+        tok = tok0 + i
+        assert owner[tok] < 0, f"token {tok} in two tiles"
+        owner[tok] = j
+        s = np.searchsorted(qsl[1:], tok, side="right")
+        if s < len(q_lens):                         # a real token: its position and keys
+          assert pos0 + i == seq_lens[s] - q_lens[s] + (tok - qsl[s])
+          assert kv_len == seq_lens[s] and bt_row == 9 * s
+        else:                                       # padding: a tile with no keys
+          assert kv_len == 0
+    assert (owner >= 0).all(), "every token, padding included, has a tile"
+
+
+# -- support checks ----------------------------------------------------------------------------
+def test_supports_attention_reasons():
+  bf = jnp.bfloat16
+  ok = kvjax.KVCacheSpec(8, 128, 16, dtype=bf)
+  assert spec_reason(ok, bf) is None
+  assert spec_reason(kvjax.KVCacheSpec(8, 128, 16, layout="HND", dtype=bf), bf) is None
+  assert "head_size=80" in spec_reason(kvjax.KVCacheSpec(8, 80, 16, dtype=bf), bf)
+  assert "fp8" in spec_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8", dtype=bf), bf)
+  assert "float32" in spec_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=jnp.float32),
+                                  jnp.float32)
+  assert "differs" in spec_reason(ok, jnp.float16)
+  assert "GQA group 20" in spec_reason(ok, bf, group=20)
+  assert "KVCacheSpec" in spec_reason("NHD", bf)
+  reason = supports_attention(ok, bf)          # this machine has no sm90 GPU
+  assert isinstance(reason, str) and reason
+
+
+def test_bad_input_is_named():
+  spec = kvjax.KVCacheSpec(2, 64, 16, dtype=jnp.bfloat16)
+  cache = spec.allocate(4)
+  i32 = functools.partial(jnp.zeros, dtype=jnp.int32)
+  args = dict(query_start_loc=i32(2), seq_lens=i32(1), block_table=i32((1, 4)), scale=0.1)
+  with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+    ragged_paged_attention(jnp.zeros((4, 3, 64), jnp.bfloat16), cache, spec, **args)
+  with pytest.raises(ValueError, match="GQA group 17"):
+    ragged_paged_attention(jnp.zeros((4, 34, 64), jnp.bfloat16), cache, spec, **args)
+  with pytest.raises(ValueError, match="max_query_len"):
+    ragged_paged_attention(jnp.zeros((4, 4, 64), jnp.bfloat16), cache, spec, max_query_len=0,
+                           **args)
+
+
+# -- lowering for CUDA -------------------------------------------------------------------------
+LOWER_CASES = [
+    # layout, G, D, T, max_query_len, kwargs
+    ("NHD", 4, 128, 64, 4096, dict(sliding_window=64, soft_cap=30.0, sinks=True)),
+    ("HND", 7, 64, 37, 32, {}),               # T not a multiple of 8: q padded
+    ("NHD", 1, 256, 64, 128, dict(causal=False)),
+    ("HND", 8, 128, 13, 1, {}),               # decode bucket: one consumer warpgroup
+]
+
+
+@pytest.mark.parametrize("layout,group,head_size,num_tokens,max_query_len,kw", LOWER_CASES)
+def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max_query_len, kw):
+  spec = kvjax.KVCacheSpec(2, head_size, 16, layout=layout, dtype=jnp.bfloat16)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  q = jax.ShapeDtypeStruct((num_tokens, 2 * group, head_size), jnp.bfloat16)
+  cache = jax.ShapeDtypeStruct(spec.physical_shape(32), jnp.bfloat16)
+  kw = dict(kw)
+  if kw.pop("sinks", False):
+    kw["sinks"] = jnp.zeros(2 * group, jnp.float32)
+
+  def f(q, c, qsl, sl, bt):
+    return ragged_paged_attention(q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
+                                  scale=0.1, max_query_len=max_query_len, **kw)
+  text = export.export(jax.jit(f), platforms=["cuda"])(q, cache, i32(5), i32(4),
+                                                         i32(4, 8)).mlir_module()
+  assert "mosaic_gpu" in text
+
+
+# -- numerics in interpret mode ----------------------------------------------------------------
+needs_interpreter = pytest.mark.skipif(
+    JAX_VERSION < (0, 11),
+    reason="Mosaic GPU interpret mode of jax < 0.11 lacks OOB TMA reads / transposed wgmma")
+
+
+def _nan_poisoned_batch(rng, spec, hq, q_lens, ctx_lens, pad):
+  """(q, cache, qsl, seq_lens, block_table): shuffled pages, every slot no token was written
+  to (unreferenced pages, tails of last pages) NaN."""
+  n = spec.block_size
+  seq_lens = np.asarray(q_lens) + np.asarray(ctx_lens)
+  pages = -(-seq_lens // n)
+  num_blocks = int(pages.sum()) + 3
+  perm = rng.permutation(num_blocks)
+  bt = np.zeros((len(q_lens), int(pages.max()) + 1), np.int32)
+  used = 0
+  for s, p in enumerate(pages):
+    bt[s, :p] = perm[used:used + p]
+    bt[s, p:] = perm[-1]                          # unused entries: a NaN page
+    used += p
+  shape = spec.physical_shape(num_blocks)
+  cache = jnp.asarray(np.full(shape, np.nan, np.float32)).astype(spec.storage_dtype)
+  slots = np.concatenate([bt[s, np.arange(L) // n] * n + np.arange(L) % n
+                          for s, L in enumerate(seq_lens)]).astype(np.int32)
+  kv_shape = (len(slots), spec.num_kv_heads, spec.head_size)
+  k, v = (jnp.asarray(rng.standard_normal(kv_shape), spec.dtype) for _ in range(2))
+  cache = write_kv(cache, k, v, jnp.asarray(slots), spec)
+  q = jnp.asarray(rng.standard_normal((int(np.sum(q_lens)) + pad, hq, spec.head_size)),
+                  spec.dtype)
+  qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  return q, cache, jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt)
+
+
+INTERPRET_CASES = [
+    # layout, H, G, D, N, q_lens, ctx_lens, pad, max_query_len, kwargs
+    ("NHD", 1, 4, 64, 16, [20, 1, 0, 9], [0, 40, 8, 17], 3, 32, {}),
+    ("HND", 1, 7, 64, 32, [18, 1, 5], [3, 70, 0], 2, 32,
+     dict(sliding_window=20, soft_cap=5.0, sinks=True)),
+    ("NHD", 2, 1, 64, 48, [150, 3], [0, 30], 1, 256, dict(sliding_window=50)),
+    ("HND", 1, 2, 64, 16, [40, 2], [10, 100], 0, 64, dict(causal=False)),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("layout,h,group,head_size,block_size,q_lens,ctx_lens,pad,mql,kw",
+                         INTERPRET_CASES)
+def test_interpret_matches_reference(rng, layout, h, group, head_size, block_size, q_lens,
+                                     ctx_lens, pad, mql, kw):
+  spec = kvjax.KVCacheSpec(h, head_size, block_size, layout=layout, dtype=jnp.bfloat16)
+  q, cache, qsl, sl, bt = _nan_poisoned_batch(rng, spec, h * group, q_lens, ctx_lens, pad)
+  kw = dict(kw, scale=head_size ** -0.5)
+  if kw.pop("sinks", False):
+    kw["sinks"] = jnp.asarray(rng.standard_normal(h * group) * 2, jnp.float32)
+  out = ragged_paged_attention(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
+                               block_table=bt, max_query_len=mql, interpret=True, **kw)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  o = np.asarray(out, np.float32)
+  r = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, **kw))(
+      q, cache, query_start_loc=qsl, seq_lens=sl, block_table=bt), np.float32)
+  real = int(qsl[-1])
+  assert np.all(o[real:] == 0), "padding tokens must output exactly 0"
+  assert np.isfinite(r).all() and np.isfinite(o).all()
+  # bf16 output of a float32 computation: a few bf16 ulps of the output's magnitude.
+  np.testing.assert_allclose(o, r, atol=2e-2 * np.abs(r).max(), rtol=2e-2)
