@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import jax
 
@@ -115,11 +115,10 @@ class Registry:
   def __init__(self, op: str):
     self.op = op
     self._impls: List[Implementation] = []
-    self._aliases: Dict[str, str] = {}
 
   def register(self, name: str, entry: Target, *, supports: Optional[Target] = None,
-               platforms=PLATFORMS, interpretable: bool = False, before: Optional[str] = None,
-               aliases=()) -> Implementation:
+               platforms=PLATFORMS, interpretable: bool = False,
+               before: Optional[str] = None) -> Implementation:
     """Add an implementation (last, or just before the one named ``before``)."""
     bad = [p for p in platforms if p not in PLATFORMS]
     if bad:
@@ -127,30 +126,23 @@ class Registry:
     if name in self.names() or name == "auto":
       raise ValueError(f"{self.op}: implementation {name!r} is already registered")
     impl = Implementation(name, entry, supports, tuple(platforms), interpretable)
-    pos = len(self._impls) if before is None else self.names().index(self._canonical(before))
+    pos = len(self._impls) if before is None else self.names().index(self.get(before).name)
     self._impls.insert(pos, impl)
-    for alias in aliases:
-      self._aliases[alias] = name
     return impl
 
   def unregister(self, name: str):
-    """Remove an implementation (and its aliases)."""
+    """Remove an implementation."""
     self._impls.remove(self.get(name))
-    self._aliases = {a: n for a, n in self._aliases.items() if n != name}
 
   def names(self) -> List[str]:
     return [i.name for i in self._impls]
 
-  def _canonical(self, name: str) -> str:
-    return self._aliases.get(name, name)
-
   def get(self, name: str) -> Implementation:
-    name = self._canonical(name)
     for impl in self._impls:
       if impl.name == name:
         return impl
     raise ValueError(f"impl={name!r} is not an implementation of {self.op}; expected 'auto' or "
-                     f"one of {self.names() + sorted(self._aliases)}")
+                     f"one of {self.names()}")
 
   def check(self, impl: str):
     """ValueError unless ``impl`` is "auto" or a registered name."""
@@ -219,13 +211,13 @@ def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
 _TRITON = "pallas_kernels.triton"
 WRITE.register("pallas", f"{_TRITON}.write:write_kv",
                supports=f"{_TRITON}.write:supports_write",
-               platforms=("gpu",), interpretable=True, aliases=("triton",))
+               platforms=("gpu",), interpretable=True)
 ATTENTION.register("pallas", f"{_TRITON}.attention:unified_attention",
                    supports=f"{_TRITON}.attention:supports_attention", platforms=("gpu",),
-                   interpretable=True, aliases=("triton",))
+                   interpretable=True)
 READ.register("pallas", f"{_TRITON}.dequant:dequantize_pages",
               supports=f"{_TRITON}.dequant:supports_read", platforms=("gpu",),
-              interpretable=True, aliases=("triton",))
+              interpretable=True)
 # Mosaic GPU (Hopper): after the Triton kernels, so auto keeps those until a measured rule
 # (in its supports function) says where Mosaic GPU is faster; impl="mosaic_gpu" runs it.
 ATTENTION.register("mosaic_gpu", "pallas_kernels.mosaic_gpu:ragged_paged_attention",

@@ -22,8 +22,8 @@ def test_auto_per_platform(op):
   assert str(cpu).startswith(f"{op} on cpu: reference (compiled)")
 
 
-def test_named_implementations_aliases_and_interpret():
-  run = registry.ATTENTION.choose("triton", None, SPEC, jnp.bfloat16, on="cpu")
+def test_named_implementations_and_interpret():
+  run = registry.ATTENTION.choose("pallas", None, SPEC, jnp.bfloat16, on="cpu")
   assert (run.name, run.interpret) == ("pallas", True)          # not native on CPU: interpret
   run = registry.ATTENTION.choose("pallas", None, SPEC, jnp.bfloat16, on="gpu")
   assert (run.name, run.interpret) == ("pallas", False)
