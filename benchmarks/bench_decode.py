@@ -39,8 +39,8 @@ import numpy as np  # noqa: E402
 import kvjax  # noqa: E402
 from kvjax.reference import unified_attention as ref_attention  # noqa: E402
 from benchmarks import common  # noqa: E402
-from pallas_kernels.decode_attention import paged_decode_attention  # noqa: E402
-from pallas_kernels.decode_config import (DEFAULT_CONFIG, NUM_SMS, DecodeConfig,  # noqa: E402
+from pallas_kernels.triton.decode import paged_decode_attention  # noqa: E402
+from pallas_kernels.triton.decode_config import (DEFAULT_CONFIG, NUM_SMS, DecodeConfig,  # noqa: E402
                                           default_config)
 
 SHAPES = ((64, 4096), (128, 2048), (16, 16384), (8, 32768), (256, 1024))

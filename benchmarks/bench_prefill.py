@@ -35,8 +35,8 @@ import numpy as np  # noqa: E402
 import kvjax  # noqa: E402
 from kvjax.reference import unified_attention as ref_attention  # noqa: E402
 from kvjax.reference import write_kv  # noqa: E402
-from pallas_kernels.ragged_attention import ragged_paged_attention  # noqa: E402
-from pallas_kernels.ragged_triton import TileConfig  # noqa: E402
+from pallas_kernels.triton.ragged import ragged_paged_attention  # noqa: E402
+from pallas_kernels.triton.ragged_kernel import TileConfig  # noqa: E402
 
 
 # -- problems ---------------------------------------------------------------------------------

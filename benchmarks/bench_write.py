@@ -37,8 +37,8 @@ import numpy as np  # noqa: E402
 from kvjax import KVCacheSpec  # noqa: E402
 from kvjax import views  # noqa: E402
 from kvjax.reference import cache_update as ref  # noqa: E402
-from pallas_kernels import cache_update as cu  # noqa: E402
-from pallas_kernels import dequant as dq  # noqa: E402
+from pallas_kernels.triton import write as cu  # noqa: E402
+from pallas_kernels.triton import dequant as dq  # noqa: E402
 
 LOG = []
 
@@ -186,21 +186,6 @@ def conversion_probe(interpret):
   return rows, examples
 
 
-class _NoContractMath(dq.M.KernelMath):
-  """x * r + z with the product rounded first (inline-asm mul.rn stops fma contraction)."""
-
-  def mul_add(self, x, r, z):
-    if not self.gpu:
-      return x * r + z
-    from jax.experimental.pallas import triton as pltriton
-    shape = jnp.broadcast_shapes(x.shape, r.shape)
-    x, r = jnp.broadcast_to(x, shape), jnp.broadcast_to(r, shape)
-    [p] = pltriton.elementwise_inline_asm(
-        "mul.rn.f32 $0, $1, $2;", args=[x, r], constraints="=f,f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
-    return p + z
-
-
 # -- 2. HLO ---------------------------------------------------------------------------------
 def hlo_finding(spec, nb, t, interpret, log_dir):
   rng = np.random.default_rng(1)
@@ -329,15 +314,10 @@ def main():
   cases += [(c, "strided pairs", strided) for c in base
             if c[0] in ("int4_per_token_head", "nvfp4")][:3]
   cases += [(("nvfp4", "HND", 8, 128, 16), "tiny SF (k_scale x300)", None)]
-  cases += [(c, "no-fma", "nofma") for c in base if c[0] == "int4_per_token_head"]
   rows1 = []
-  real_math = cu.M.KernelMath
   for case, note, cfg in cases:
     t0 = time.perf_counter()
     try:
-      if cfg == "nofma":
-        cu.M.KernelMath = _NoContractMath
-        cfg = None
       res = check_case(rng, case, interpret, cpu_ref=not interpret,
                        config=cfg if isinstance(cfg, cu.WriteConfig) else None,
                        scale_boost=300.0 if note.startswith("tiny") else 1.0)
@@ -345,8 +325,6 @@ def main():
       res = None
       log(f"  {case} {note}: ERROR {type(e).__name__}: {str(e)[:300]}")
       LOG.append(traceback.format_exc())
-    finally:
-      cu.M.KernelMath = real_math
     if res:
       log(f"  {case} {note}: write bytes != ref: device {res['write_dev']}, CPU "
           f"{res['write_cpu']}; dequant elems != views: device {res['deq_dev']}, CPU "
@@ -468,7 +446,7 @@ def main():
            "## 1. Compiled kernel == reference bytes", "",
            "Poisoned caches (random bytes), 100 tokens + 5 padding slots in random order; the "
            "reference is `kvjax.reference.cache_update.write_kv` under `jax.jit`, run on the GPU "
-           "and on the CPU; dequant = `pallas_kernels.dequant` vs `kvjax.views.dequantize_pages`"
+           "and on the CPU; dequant = `pallas_kernels.triton.dequant` vs `kvjax.views.dequantize_pages`"
            " over all 24 pages (poisoned ones included).", "",
            "| cache dtype | layout | H | D | N | variant | write bytes != ref (GPU) | "
            "write bytes != ref (CPU) | dequant elems != views (GPU) | dequant != views (CPU) |",

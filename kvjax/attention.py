@@ -1,9 +1,8 @@
-"""Public paged attention: ``unified_attention`` (ragged prefill + decode, spec §6)."""
+"""Public paged attention: ``unified_attention`` (ragged prefill + decode, docs/layout.md §6)."""
 from __future__ import annotations
 
-from kvjax import dispatch
+from kvjax import registry
 from kvjax import validation as V
-from kvjax.reference import attention as ref
 from kvjax.spec import KVCacheSpec
 
 
@@ -38,9 +37,10 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
     max_query_len: optional static upper bound on any sequence's query length
       (Python int); kernels bucket it to a power of two so serving steps reuse
       compiled programs. None = T (always correct).
-    impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None = on CPU).
-      "auto" takes the Pallas kernels on GPU (decode or ragged, every cache dtype) and
-      the reference on CPU.
+    impl: "auto" or a name in ``kvjax.registry.ATTENTION`` ("pallas" = the Triton kernels,
+      decode or ragged; "reference"); interpret: Pallas interpret mode (None: where the
+      kernel is not native). "auto" takes the Triton kernels on GPU and the reference on CPU;
+      ``kvjax.explain("attention", spec)`` says which implementation runs and why.
   Returns ``[T, Hq, D]`` in q's dtype.
   """
   query_start_loc, seq_lens, block_table = check_attention_args(
@@ -49,12 +49,8 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
   V.check_softmax_scale(scale)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
-  impl, interpret = dispatch.choose(impl, interpret)
-  kwargs = dict(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-                scale=scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap,
-                sinks=sinks, k_scale=k_scale, v_scale=v_scale)
-  if impl == "reference":
-    return ref.unified_attention(q, cache, spec, max_query_len=max_query_len, **kwargs)
-  from pallas_kernels import attention
-  return attention.unified_attention(q, cache, spec, max_query_len=max_query_len,
-                                     interpret=interpret, **kwargs)
+  run = registry.ATTENTION.choose(impl, interpret, spec, q.dtype)
+  return run(q, cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
+             block_table=block_table, scale=scale, causal=causal, sliding_window=sliding_window,
+             soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+             max_query_len=max_query_len)

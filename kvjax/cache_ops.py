@@ -1,13 +1,11 @@
-"""Public cache writes and reads: ``write_kv`` and ``read_kv`` (spec §4, §5)."""
+"""Public cache writes and reads: ``write_kv`` and ``read_kv`` (docs/layout.md §4, §5)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kvjax import dispatch
+from kvjax import registry
 from kvjax import validation as V
-from kvjax.reference import cache_update as ref
 from kvjax.spec import KVCacheSpec
-from kvjax.views import dequantize_pages
 
 
 def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None, v_scale=None,
@@ -20,7 +18,9 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
       tokens are written.
     slot_mapping: int ``[T]``: ``block * block_size + offset``; negative = skip.
     k_scale, v_scale: global scales (fp8 per-tensor: scalar or [H]; nvfp4: scalar).
-    impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None = on CPU).
+    impl: "auto" or a name in ``kvjax.registry.WRITE`` ("pallas" = the Triton kernel,
+      "reference"); interpret: Pallas interpret mode (None: where the kernel is not native).
+      ``kvjax.explain("write", spec)`` says which implementation runs and why.
   Pure: under ``jax.jit`` with the cache donated, the write happens in place.
   Quantize-on-write for every cache dtype; blocks not named by a slot are untouched.
   """
@@ -29,29 +29,30 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   V.check_kv_tokens(spec, key, value, slot_mapping.shape[0])
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
-  impl, interpret = dispatch.choose(impl, interpret)
-  if impl == "reference":
-    return ref.write_kv(cache, key, value, slot_mapping, spec, k_scale, v_scale)
-  from pallas_kernels import cache_update
-  return cache_update.write_kv(cache, key, value, slot_mapping, spec, k_scale=k_scale,
-                               v_scale=v_scale, interpret=interpret)
+  run = registry.WRITE.choose(impl, interpret, spec)
+  return run(cache, key, value, slot_mapping, spec, k_scale=k_scale, v_scale=v_scale)
 
 
-def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None):
+def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl: str = "auto",
+            interpret=None):
   """Dequantized K and V of the given slots: two float32 ``[len(slots), H, D]`` arrays.
 
   slots: int ``[T]`` in ``[0, num_blocks * block_size)``: checked when concrete
   (ValueError); traced slots outside that range read as NaN rows.
+  ``impl`` / ``interpret`` pick the dequantize step from ``kvjax.registry.READ`` (as
+  :func:`write_kv` does): the pages of the slots are gathered, dequantized, and each slot's
+  row taken.
   """
   num_blocks = V.check_cache(spec, cache)
   num_slots = num_blocks * spec.block_size
   slots = V.check_slots(slots, num_slots, name="slots", negative_ok=False)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
+  run = registry.READ.choose(impl, interpret, spec)
   valid = (slots >= 0) & (slots < num_slots)
   slots = jnp.where(valid, slots, 0)
   pages = cache[slots // spec.block_size]
-  k, v = dequantize_pages(pages, spec, k_scale, v_scale)       # [T, N, H, D]
+  k, v = run(pages, spec, k_scale=k_scale, v_scale=v_scale)    # [T, N, H, D]
   t = jnp.arange(slots.shape[0])
   off = slots % spec.block_size
   nan_rows = lambda x: jnp.where(valid[:, None, None], x[t, off], jnp.nan)

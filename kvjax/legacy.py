@@ -4,12 +4,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import formats as F
+from kvjax.codecs.address import RowAddress
 from kvjax.spec import KVCacheSpec
 
 
 def _check_unpacked_format(spec: KVCacheSpec):
-  if spec.format.kind not in (F.PLAIN, F.FP8_PER_TENSOR):
+  codec = spec.codec
+  if not codec.content_halves or codec.has_row_scales:
     raise ValueError(f"the legacy 5-D layout has no place for cache_dtype={spec.cache_dtype!r} "
                      "scales; only plain and fp8 per-tensor caches convert")
 
@@ -24,13 +25,13 @@ def from_legacy_5d(legacy, spec: KVCacheSpec):
   if np.dtype(legacy.dtype) != spec.storage_dtype:
     raise TypeError(f"legacy cache dtype {legacy.dtype} is not {spec.storage_dtype}")
   packed = jnp.concatenate([legacy[:, 0], legacy[:, 1]], axis=-1)   # (B, N, H, 2D)
-  return packed if spec.layout == "NHD" else jnp.swapaxes(packed, 1, 2)
+  return RowAddress.of(spec).token_major(packed)      # a swap is its own inverse
 
 
 def to_legacy_5d(cache, spec: KVCacheSpec):
   """The spec's physical packed array -> legacy ``(B, 2, N, H, D)``."""
   _check_unpacked_format(spec)
   spec.num_blocks_of(cache)
-  rows = cache if spec.layout == "NHD" else jnp.swapaxes(cache, 1, 2)
+  rows = RowAddress.of(spec).token_major(cache)
   d = spec.head_size
   return jnp.stack([rows[..., :d], rows[..., d:]], axis=1)

@@ -1,13 +1,14 @@
-"""Quantize / dequantize for every cache dtype, pure jnp (spec §5).
+"""Number formats of the cache, pure jnp: the one place each formula is written.
 
-Row functions work on any leading shape: ``x [..., D]`` is one (token, head)
-row per leading index. The same formulas are the oracle for the Pallas write
-kernels, which must store bit-identical bytes.
+Everything here is elementwise (or a reduction over the last axis) and uses only what the
+Pallas Triton lowering also lowers (selects, floor, integer shifts, equal-width bitcasts), so
+the reference and the kernels call the *same* functions and store the same bits.
 
-Divisions are written as multiplications by a float32 reciprocal (``x * (1/s)``,
-``a * f32(1/15)``): that is the form XLA's algebraic simplifier turns ``x / s``
-into under ``jit``, so writing it out makes eager, jitted and kernel results the
-same bits. Only a true elementwise ``a / b`` (int4's zero point) stays a division.
+Row functions work on any leading shape: ``x [..., D]`` is one (token, head) row per leading
+index. Divisions are written as multiplications by a float32 reciprocal (``x * (1/s)``,
+``a * f32(1/15)``): that is the form XLA's algebraic simplifier turns ``x / s`` into under
+``jit``, so writing it out makes eager, jitted and kernel results the same bits. Only a true
+elementwise ``a / b`` (int4's zero point) stays a division (kernels emit an IEEE division).
 """
 from __future__ import annotations
 
@@ -15,27 +16,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import formats as F
-
 SCALE_EPS = 1e-6
 E4M3_MAX = 448.0
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-# Boundaries between e2m1 codes k and k+1 and whether a tie rounds up (to the even code).
-_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
-                (3.5, True), (5.0, False))
+_U32 = jnp.uint32
 
 
-def round_half_away_from_zero(x):
-  return jnp.sign(x) * jnp.floor(jnp.abs(x) + 0.5)
+# -- arithmetic ----------------------------------------------------------------------------------
+def div_const(x, c: float):
+  """``x / c`` for a literal ``c`` as XLA computes it under jit: ``x * f32(1 / c)``."""
+  return x * (np.float32(1.0) / np.float32(c))
 
 
-def _finite_max(dtype) -> float:
+def round_half_even(v):
+  """``jnp.round`` (ties to even) of float32 ``v``, exact, from ``floor`` only (the Triton
+  lowering has no round)."""
+  f = jnp.floor(v)
+  d = v - f                                   # exact: v and floor(v) share the binade
+  odd = (f - 2.0 * jnp.floor(f * 0.5)) == 1.0
+  up = (d > 0.5) | ((d == 0.5) & odd)
+  return jnp.where(up, f + 1.0, f)
+
+
+def round_half_away_from_zero(v):
+  """``sign(v) * floor(|v| + 0.5)`` (the sign set by a select: Triton negates as 0 - x)."""
+  r = jnp.floor(jnp.abs(v) + 0.5)
+  return jnp.where(v < 0, -r, r)
+
+
+def finite_max(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
 
-def _times_inverse(x, c: float):
-  """``x / c`` for a constant ``c``, as ``x * f32(1 / c)``."""
-  return x * (np.float32(1.0) / np.float32(c))
+def signbit_u8(x):
+  """1 where float32 ``x`` has its sign bit set (also -0.0), else 0, as uint8."""
+  return (jax.lax.bitcast_convert_type(x, _U32) >> _U32(31)).astype(jnp.uint8)
 
 
 # -- storage bits ------------------------------------------------------------------------------
@@ -49,96 +64,15 @@ def bits_dtype(dtype) -> np.dtype:
 
 def to_bits(x):
   """``x`` reinterpreted as :func:`bits_dtype` (free). Writers scatter bits, never floats:
-  XLA may canonicalize the NaN payload of a float it passes through (fp8 scatters on CPU
-  do), and bytes a write does not name must keep every bit."""
+  XLA may canonicalize the NaN payload of a float it passes through (bf16 and fp8_e5m2
+  scatters on CPU do), and bytes a write does not name must keep every bit."""
   bt = bits_dtype(x.dtype)
   return x if np.dtype(x.dtype) == bt else jax.lax.bitcast_convert_type(x, bt)
 
 
 def from_bits(x, dtype):
-  """Inverse of :func:`to_bits`."""
+  """Inverse of :func:`to_bits` (also any equal-width reinterpretation)."""
   return x if np.dtype(x.dtype) == np.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
-
-
-# -- fp8 per tensor --------------------------------------------------------------------------
-def per_head_scale(scale, num_heads: int):
-  """A scalar or [H] float32 scale, shaped to broadcast over ``[..., H, D]``."""
-  s = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
-  if s.ndim == 0:
-    return s
-  if s.shape != (num_heads,):
-    raise ValueError(f"scale must be a scalar or shape ({num_heads},), got {s.shape}")
-  return s[:, None]
-
-
-def quantize_fp8_per_tensor(x, scale, fp8_dtype):
-  """``x [..., H, D]`` -> fp8 ``x / scale`` saturated to the finite range."""
-  m = _finite_max(fp8_dtype)
-  y = x.astype(jnp.float32) * (1.0 / per_head_scale(scale, x.shape[-2]))
-  return jnp.clip(y, -m, m).astype(fp8_dtype)
-
-
-def dequantize_fp8_per_tensor(q, scale):
-  return q.astype(jnp.float32) * per_head_scale(scale, q.shape[-2])
-
-
-# -- per token-head --------------------------------------------------------------------------
-def _int4_pack(q):
-  """uint8 values in [0, 15], ``[..., D]`` -> ``[..., D/2]``, low nibble = even element."""
-  q = q.astype(jnp.uint8)
-  return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-def _int4_unpack(packed):
-  lo = packed & 0xF
-  hi = packed >> 4
-  return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
-
-
-def int4_scale(lo, hi):
-  """int4 row scale ``max((max - min) / 15, eps)`` from the row's min and max, float32.
-
-  Computed as ``max/15 - min/15`` so rows near the float32 limits (e.g. -3e38 and 3e38,
-  whose difference overflows) still get a finite scale. Used as is inside the write kernels.
-  """
-  return jnp.maximum(_times_inverse(hi, 15.0) - _times_inverse(lo, 15.0), SCALE_EPS)
-
-
-def quantize_per_token_head(x, fmt: F.CacheFormat):
-  """One scale per row. ``x [..., D]`` -> (data ``[..., data_dim]`` in storage dtype, scale f32 ``[...]``).
-
-  int4 stores the 4-bit zero point in the low mantissa bits of the scale.
-  """
-  x = x.astype(jnp.float32)
-  if fmt.quant == "int4":
-    lo, hi = jnp.min(x, -1), jnp.max(x, -1)
-    scale = int4_scale(lo, hi)
-    zp = jnp.clip(jnp.round(-lo / scale), 0, 15)
-    q = jnp.clip(jnp.round(x * (1.0 / scale)[..., None] + zp[..., None]), 0, 15)
-    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-    bits = (bits & jnp.uint32(0xFFFFFFF0)) | zp.astype(jnp.uint32)
-    return _int4_pack(q), jax.lax.bitcast_convert_type(bits, jnp.float32)
-  scale = jnp.maximum(_times_inverse(jnp.max(jnp.abs(x), -1), fmt.qmax), SCALE_EPS)
-  y = x * (1.0 / scale)[..., None]
-  if fmt.quant == np.dtype(np.int8):
-    return jnp.clip(round_half_away_from_zero(y), -128, 127).astype(jnp.int8), scale
-  q = jnp.clip(y, -fmt.qmax, fmt.qmax).astype(fmt.quant)
-  return jax.lax.bitcast_convert_type(q, fmt.storage), scale
-
-
-def dequantize_per_token_head(data, scale, fmt: F.CacheFormat):
-  """Inverse of :func:`quantize_per_token_head`: float32 ``[..., D]``."""
-  if fmt.quant == "int4":
-    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-    zp = (bits & 0xF).astype(jnp.float32)
-    s = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFFFF0), jnp.float32)
-    q = _int4_unpack(data).astype(jnp.float32)
-    return (q - zp[..., None]) * s[..., None]
-  if fmt.quant == np.dtype(np.int8):
-    q = data.astype(jnp.float32)
-  else:
-    q = jax.lax.bitcast_convert_type(data, fmt.quant).astype(jnp.float32)
-  return q * scale[..., None]
 
 
 def scale_to_storage(scale, storage_dtype):
@@ -153,19 +87,152 @@ def scale_from_storage(raw):
   return jax.lax.bitcast_convert_type(raw, jnp.float32)
 
 
+# -- global (per-tensor) scales --------------------------------------------------------------------
+def per_head_scales(scale, num_heads: int):
+  """A global scale (None = 1.0, a scalar or ``[H]``) as float32 ``[H]``."""
+  s = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
+  return jnp.broadcast_to(s.reshape(-1) if s.ndim else s, (num_heads,))
+
+
+def per_head_scale(scale, num_heads: int):
+  """:func:`per_head_scales` shaped ``[H, 1]`` (pallas_kernels.mosaic_tpu's name for it)."""
+  return per_head_scales(scale, num_heads)[:, None]
+
+
+# -- fp8 per tensor --------------------------------------------------------------------------
+def quantize_fp8_per_tensor(x, scale, fp8_dtype):
+  """``x [..., H, D]`` -> fp8 ``x / scale`` (scale: None, scalar or ``[H]``), saturated."""
+  m = finite_max(fp8_dtype)
+  inv = 1.0 / per_head_scales(scale, x.shape[-2])[:, None]
+  return jnp.clip(x.astype(jnp.float32) * inv, -m, m).astype(fp8_dtype)
+
+
+def dequantize_fp8_per_tensor(q, scale):
+  return q.astype(jnp.float32) * per_head_scales(scale, q.shape[-2])[:, None]
+
+
+# -- per token-head: int8 / fp8 ------------------------------------------------------------------
+def row_scale(amax, qmax: float):
+  """Per-token-head scale ``max(amax / QMAX, eps)`` of a row with largest magnitude ``amax``."""
+  return jnp.maximum(div_const(amax, qmax), SCALE_EPS)
+
+
+def quantize_scaled(y, quant, qmax: float):
+  """Values already divided by their scale -> quantized (int8: round half away from zero and
+  clamp to [-128, 127]; fp8: clamp to +-QMAX and cast)."""
+  if np.dtype(quant) == np.dtype(np.int8):
+    return jnp.clip(round_half_away_from_zero(y), -128.0, 127.0).astype(jnp.int8)
+  return jnp.clip(y, -qmax, qmax).astype(quant)
+
+
+def quantize_per_token_head(x, fmt):
+  """int8 / fp8, one scale per row. ``x [..., D]`` -> (data ``[..., D]`` in the storage
+  dtype, scale float32 ``[...]``). ``fmt``: a format (or codec) with ``quant``, ``qmax`` and
+  ``storage``. (int4: :func:`quantize_int4`.)"""
+  x = x.astype(jnp.float32)
+  scale = row_scale(jnp.max(jnp.abs(x), -1), fmt.qmax)
+  q = quantize_scaled(x * (1.0 / scale)[..., None], fmt.quant, fmt.qmax)
+  return from_bits(q, fmt.storage), scale
+
+
+def dequantize_per_token_head(data, scale, fmt):
+  """Inverse of :func:`quantize_per_token_head`: float32 ``[..., D]``."""
+  return from_bits(data, fmt.quant).astype(jnp.float32) * scale[..., None]
+
+
+# -- int4 per token-head -------------------------------------------------------------------------
+def int4_scale(lo, hi):
+  """int4 row scale ``max((max - min) / 15, eps)`` from the row's min and max, float32.
+
+  Computed as ``max/15 - min/15`` so rows near the float32 limits (e.g. -3e38 and 3e38,
+  whose difference overflows) still get a finite scale.
+  """
+  return jnp.maximum(div_const(hi, 15.0) - div_const(lo, 15.0), SCALE_EPS)
+
+
+def int4_pack_scale(scale, zp):
+  """The stored float32: ``scale`` with the 4-bit zero point in its low mantissa bits."""
+  bits = jax.lax.bitcast_convert_type(scale, _U32)
+  bits = (bits & _U32(0xFFFFFFF0)) | zp.astype(_U32)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def int4_unpack_scale(stored):
+  """Inverse of :func:`int4_pack_scale`: (scale, zero point), both float32."""
+  bits = jax.lax.bitcast_convert_type(stored, _U32)
+  zp = (bits & _U32(0xF)).astype(jnp.float32)
+  return jax.lax.bitcast_convert_type(bits & _U32(0xFFFFFFF0), jnp.float32), zp
+
+
+def nibbles(packed):
+  """uint8 ``[...]`` -> (low nibbles, high nibbles), uint8 in [0, 15]: two 4-bit codes a
+  byte, the low nibble holding the even element."""
+  return packed & jnp.uint8(0xF), packed >> jnp.uint8(4)
+
+
+def interleave(even, odd):
+  """``[..., n]`` even and odd elements -> ``[..., 2n]``."""
+  return jnp.stack([even, odd], axis=-1).reshape(even.shape[:-1] + (2 * even.shape[-1],))
+
+
+def quantize_int4(x):
+  """``x [..., D]`` float32 -> (packed uint8 ``[..., D/2]``, stored scale float32 ``[...]``)."""
+  lo, hi = jnp.min(x, -1), jnp.max(x, -1)
+  scale = int4_scale(lo, hi)
+  zp = jnp.clip(round_half_even(-lo / scale), 0, 15)
+  q = jnp.clip(round_half_even(x * (1.0 / scale)[..., None] + zp[..., None]), 0, 15)
+  q = q.astype(jnp.uint8)
+  return q[..., 0::2] | (q[..., 1::2] << jnp.uint8(4)), int4_pack_scale(scale, zp)
+
+
+def dequantize_int4(packed, stored_scale):
+  """Inverse of :func:`quantize_int4`: ``(q - zp) * scale``, float32 ``[..., D]``."""
+  scale, zp = int4_unpack_scale(stored_scale)
+  q = interleave(*nibbles(packed)).astype(jnp.float32)
+  return (q - zp[..., None]) * scale[..., None]
+
+
 # -- nvfp4 -------------------------------------------------------------------------------------
-def e2m1_encode(x):
-  """float32 -> 4-bit e2m1 code (uint8 in [0, 15]), round to nearest even, saturating."""
-  a = jnp.abs(x)
-  code = jnp.zeros(x.shape, jnp.uint8)
-  for bound, tie_up in _E2M1_BOUNDS:
-    code = code + (a >= bound if tie_up else a > bound).astype(jnp.uint8)
-  return code | (jnp.signbit(x).astype(jnp.uint8) << 3)
+def e2m1_encode(y):
+  """float32 -> 4-bit e2m1 code (uint8 in [0, 15]), round to nearest even, saturating.
+
+  Below 1 the grid is {0, 0.5, 1} (two comparisons); from 1 up, e2m1 is float32 rounded to
+  one mantissa bit (add the round-to-even bias to the bits, keep exponent and top mantissa
+  bit), saturating at code 7 (6.0). Integer-only on the bits, so no compiler can
+  reassociate it.
+  """
+  a = jnp.abs(y)
+  sub = ((a > np.float32(0.25)).astype(_U32) + (a >= np.float32(0.75)).astype(_U32))
+  bits = jax.lax.bitcast_convert_type(a, _U32)
+  lsb = (bits >> _U32(22)) & _U32(1)
+  top = (bits + _U32(0x1FFFFF) + lsb) >> _U32(22)                     # (exp << 1) | mantissa
+  norm = jnp.minimum(top, _U32(259)) - _U32(252)                      # 1.0 -> 2 ... 6.0 -> 7
+  code = jnp.where(a < np.float32(1.0), sub, norm).astype(jnp.uint8)
+  return code | (signbit_u8(y) << jnp.uint8(3))
 
 
 def e2m1_decode(code):
-  mag = jnp.asarray(E2M1_GRID)[(code & 7).astype(jnp.int32)]
-  return jnp.where((code & 8) != 0, -mag, mag)
+  """e2m1 code (uint8, low 4 bits) -> float32: a select chain over the 8 magnitudes, the sign
+  set as a bit (code 8 is -0.0)."""
+  m = code & jnp.uint8(7)
+  mag = jnp.zeros(code.shape, jnp.float32)
+  for i, val in enumerate(E2M1_GRID.tolist()):
+    if val:
+      mag = jnp.where(m == i, jnp.float32(val), mag)
+  sign = (code & jnp.uint8(8)).astype(_U32) << _U32(28)
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(mag, _U32) | sign,
+                                      jnp.float32)
+
+
+def nvfp4_group_scale(amax, gs):
+  """e4m3 scale of a 16-value group: ``e4m3(gs * amax / 6)`` (``gs = 1 / global scale``)."""
+  return jnp.clip(div_const(gs * amax, 6.0), 0, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+def nvfp4_codes(x, gs, sf32):
+  """e2m1 codes of values ``x`` (times ``gs``) in groups of scale ``sf32`` (float32, 0 -> 0)."""
+  zero = sf32 == 0
+  return e2m1_encode(jnp.where(zero, 0.0, (x * gs) * (1.0 / jnp.where(zero, 1.0, sf32))))
 
 
 def quantize_nvfp4(x, global_scale):
@@ -177,42 +244,42 @@ def quantize_nvfp4(x, global_scale):
   x = x.astype(jnp.float32)
   gs = 1.0 / jnp.asarray(1.0 if global_scale is None else global_scale, jnp.float32)
   g = x.reshape(x.shape[:-1] + (x.shape[-1] // 16, 16))
-  sf = jnp.clip(_times_inverse(gs * jnp.max(jnp.abs(g), -1), 6.0), 0, E4M3_MAX)
-  sf = sf.astype(jnp.float8_e4m3fn)
-  sf32 = sf.astype(jnp.float32)[..., None]
-  y = jnp.where(sf32 == 0, 0.0, (g * gs) * (1.0 / jnp.where(sf32 == 0, 1.0, sf32)))
-  code = e2m1_encode(y).reshape(x.shape)
-  packed = code[..., 0::2] | (code[..., 1::2] << 4)
-  return packed, sf
+  sf = nvfp4_group_scale(jnp.max(jnp.abs(g), -1), gs)
+  code = nvfp4_codes(g, gs, sf.astype(jnp.float32)[..., None]).reshape(x.shape)
+  return code[..., 0::2] | (code[..., 1::2] << jnp.uint8(4)), sf
 
 
 def dequantize_nvfp4(packed, sf, global_scale):
-  """Inverse of :func:`quantize_nvfp4`: float32 ``[..., D]``."""
+  """Inverse of :func:`quantize_nvfp4`: ``e2m1 * sf * global_scale``, float32 ``[..., D]``."""
   gscale = jnp.asarray(1.0 if global_scale is None else global_scale, jnp.float32)
-  codes = jnp.stack([packed & 0xF, packed >> 4], -1).reshape(
-      packed.shape[:-1] + (2 * packed.shape[-1],))
-  vals = e2m1_decode(codes)
+  vals = e2m1_decode(interleave(*nibbles(packed)))
   g = vals.reshape(vals.shape[:-1] + (sf.shape[-1], 16))
   out = g * sf.astype(jnp.float32)[..., None] * gscale
   return out.reshape(vals.shape)
 
 
-def nvfp4_v_swizzle_index(block_size: int, num_scales: int) -> np.ndarray:
-  """Flat position of logical (t, s) inside a V scale tile of ``block_size x num_scales``.
-
-  ``((t // 4)·4 + s // (S/4))·S + (s % (S/4))·4 + t % 4`` (spec §5); needs S % 4 == 0.
-  Returns int ``[N, S]``; the tile is ``tile.flat[idx[t, s]] = scale[t, s]``.
-  """
-  n, s_ = block_size, num_scales
-  if s_ % 4 or n % 4:
-    raise ValueError(f"V scale swizzle needs block_size % 4 == 0 and D/16 % 4 == 0, got "
-                     f"block_size={n}, D/16={s_}")
-  t = np.arange(n)[:, None]
-  s = np.arange(s_)[None, :]
-  q = s_ // 4
-  return ((t // 4) * 4 + s // q) * s_ + (s % q) * 4 + t % 4
-
-
 def nvfp4_v_scales_swizzled(block_size: int, num_scales: int) -> bool:
   """Whether V scales of this geometry are swizzled (S % 4 == 0), else stored linearly."""
   return num_scales % 4 == 0
+
+
+def nvfp4_v_scale_position(t, s, num_scales: int):
+  """Position of V scale (token ``t``, group ``s``) in its block's ``N x S`` scale tile.
+
+  Swizzled (S % 4 == 0): ``((t // 4)*4 + s // (S/4))*S + (s % (S/4))*4 + t % 4``; else
+  linear ``t*S + s``. Plain integer arithmetic: numpy, jnp and in-kernel alike.
+  """
+  if not nvfp4_v_scales_swizzled(0, num_scales):
+    return t * num_scales + s
+  q = num_scales // 4
+  return ((t // 4) * 4 + s // q) * num_scales + (s % q) * 4 + t % 4
+
+
+def nvfp4_v_swizzle_index(block_size: int, num_scales: int) -> np.ndarray:
+  """int ``[N, S]`` table of :func:`nvfp4_v_scale_position` for a swizzled geometry:
+  the tile is ``tile.flat[idx[t, s]] = scale[t, s]``."""
+  if num_scales % 4 or block_size % 4:
+    raise ValueError(f"V scale swizzle needs block_size % 4 == 0 and D/16 % 4 == 0, got "
+                     f"block_size={block_size}, D/16={num_scales}")
+  return nvfp4_v_scale_position(np.arange(block_size)[:, None], np.arange(num_scales)[None, :],
+                                num_scales)

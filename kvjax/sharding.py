@@ -23,7 +23,6 @@ import inspect
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from kvjax import formats as F
 from kvjax import validation as V
 from kvjax.attention import check_attention_args, unified_attention
 from kvjax.cache_ops import write_kv
@@ -67,9 +66,10 @@ def cache_partition_spec(spec: KVCacheSpec, axis: str = "tp") -> P:
 def check_shardable(spec: KVCacheSpec, tp: int) -> None:
   if not isinstance(spec, KVCacheSpec):
     raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
-  if spec.format.kind == F.NVFP4:
+  if not spec.codec.content_halves:
     raise ValueError(
-        "nvfp4 caches cannot be sharded by splitting the head-slot axis: its 2H slots are K "
+        f"{spec.cache_dtype} caches cannot be sharded by splitting the head-slot axis: its 2H "
+        "slots are K "
         "heads then V heads (each shard would hold only K or only V heads) and each side is "
         "[data of all heads | scales of all heads]. Keep nvfp4 caches per rank (a list of "
         "per-rank arrays, see kvjax.transfer)")

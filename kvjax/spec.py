@@ -1,9 +1,10 @@
-"""The packed paged KV-cache layout as a static, hashable spec (spec §1–§3).
+"""The packed paged KV-cache layout as a static, hashable spec (docs/layout.md §1-§3).
 
 Notation: B = num_blocks, H = num_kv_heads, N = block_size, D = head_size,
 C = content dim. The *logical* shape is vLLM's ``(B, H, N, C)``; the *physical*
 array (the JAX value that flows) is its permutation by the stride order:
-NHD -> ``(B, N, H, C)``, HND -> ``(B, H, N, C)``.
+NHD -> ``(B, N, H, C)``, HND -> ``(B, H, N, C)``. Everything format-specific (row widths,
+head-size rules, scale views) is the format's codec's answer (:mod:`kvjax.codecs`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import formats as F
+from kvjax.codecs.address import ViewGeometry
+from kvjax.codecs.nvfp4 import split_strided as nvfp4_split_strided  # noqa: F401 (public name)
 
 LAYOUTS = ("NHD", "HND")
 _STRIDE_ORDER = {"NHD": (0, 2, 1, 3), "HND": (0, 1, 2, 3)}
@@ -30,7 +33,7 @@ def check_layout(layout: str) -> str:
 
 def get_kv_cache_stride_order(layout: str = "NHD",
                               include_num_layers_dimension: bool = False) -> Tuple[int, ...]:
-  """``stride_order[i]`` = the logical dim stored at physical position i (spec §2)."""
+  """``stride_order[i]`` = the logical dim stored at physical position i."""
   check_layout(layout)
   table = _STRIDE_ORDER_WITH_LAYERS if include_num_layers_dimension else _STRIDE_ORDER
   return table[layout]
@@ -48,25 +51,12 @@ def _check_geometry(fmt: F.CacheFormat, block_size: int, head_size: int, num_kv_
   _check_positive_int("block_size", block_size)
   if block_size % 16:
     raise ValueError(f"block_size={block_size} must be a multiple of 16")
-  if fmt.kind == F.PER_TOKEN_HEAD:
-    if fmt.quant == "int4" and head_size % 4:
-      raise ValueError(f"head_size={head_size} must be a multiple of 4 for {fmt.name}")
-    if head_size % 2:
-      raise ValueError(f"head_size={head_size} must be even for {fmt.name}")
-  if fmt.kind == F.NVFP4:
-    if head_size % 16:
-      raise ValueError(f"head_size={head_size} must be a multiple of 16 for nvfp4")
+  fmt.codec.check_head_size(head_size)
 
 
-def _row_widths(fmt: F.CacheFormat, head_size: int, itemsize: int):
-  """(data elements per side row, padded elements per side row) in storage units."""
-  d = head_size
-  if fmt.kind == F.PER_TOKEN_HEAD:
-    data = d // 2 if fmt.quant == "int4" else d
-    return data, data + 4 // itemsize
-  if fmt.kind == F.NVFP4:
-    return d // 2, d // 2 + d // 16
-  return d, d
+def _itemsize(fmt: F.CacheFormat) -> int:
+  """Storage itemsize for row widths (plain formats have no scale slot: any value works)."""
+  return 1 if fmt.storage is None else fmt.storage.itemsize
 
 
 def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
@@ -75,11 +65,7 @@ def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head
   fmt = F.get_format(cache_dtype)
   _check_positive_int("num_blocks", num_blocks)
   _check_geometry(fmt, block_size, head_size, num_kv_heads)
-  itemsize = 1 if fmt.storage is None else fmt.storage.itemsize  # PLAIN rows ignore it
-  _, padded = _row_widths(fmt, head_size, itemsize)
-  if fmt.kind == F.NVFP4:
-    return (num_blocks, 2 * num_kv_heads, block_size, padded)
-  return (num_blocks, num_kv_heads, block_size, 2 * padded)
+  return fmt.codec.logical_shape(num_blocks, num_kv_heads, block_size, head_size, _itemsize(fmt))
 
 
 def get_mla_kv_cache_shape(num_blocks: int, block_size: int, head_size: int) -> Tuple[int, int, int]:
@@ -98,18 +84,6 @@ def contiguous_strides(shape) -> Tuple[int, ...]:
     strides.append(acc)
     acc *= n
   return tuple(reversed(strides))
-
-
-@dataclasses.dataclass(frozen=True)
-class ViewGeometry:
-  """A strided view over the cache's flat storage: shape, element strides, element offset.
-
-  Units are elements of ``dtype`` (the storage dtype, or float32 for scale views).
-  """
-  shape: Tuple[int, ...]
-  strides: Tuple[int, ...]
-  offset: int
-  dtype: np.dtype
 
 
 @jax.tree_util.register_static
@@ -147,11 +121,12 @@ class KVCacheSpec:
       raise TypeError(f"dtype={dt} must be one of {[str(d) for d in F.MODEL_DTYPES]}")
     object.__setattr__(self, "dtype", dt)
     _check_geometry(fmt, self.block_size, self.head_size, self.num_kv_heads)
-    if fmt.kind == F.NVFP4 and self.layout != "HND":
+    if self.layout not in fmt.codec.layouts:
+      need = " or ".join(repr(x) for x in fmt.codec.layouts)
       raise ValueError(
-          f"nvfp4 caches need layout='HND', got layout={self.layout!r}: each side's "
-          "[data | scales] split is exact only when the (heads, tokens) block of a page is "
-          "contiguous")
+          f"{self.cache_dtype} caches need layout={need}, got layout={self.layout!r}"
+          + (": each side's [data | scales] split is exact only when the (heads, tokens) "
+             "block of a page is contiguous" if fmt.codec.layouts == ("HND",) else ""))
 
   # -- formats ---------------------------------------------------------------------------
   @property
@@ -168,14 +143,19 @@ class KVCacheSpec:
     return self.storage_dtype.itemsize
 
   @property
+  def codec(self):
+    """The format's :class:`kvjax.codecs.Codec`."""
+    return self.format.codec
+
+  @property
   def data_dim(self) -> int:
     """Storage elements of data in one side row (D, or D/2 for int4 and nvfp4)."""
-    return _row_widths(self.format, self.head_size, self.itemsize)[0]
+    return self.codec.data_dim(self.head_size)
 
   @property
   def padded_head_size(self) -> int:
     """Storage elements of one side row, scale slot included (``padded_hs``)."""
-    return _row_widths(self.format, self.head_size, self.itemsize)[1]
+    return self.codec.padded_dim(self.head_size, self.itemsize)
 
   @property
   def num_scales_per_row(self) -> int:
@@ -219,7 +199,7 @@ class KVCacheSpec:
       strides[dim] = phys[pos]
     return tuple(strides)
 
-  # -- views (spec §3) ---------------------------------------------------------------------
+  # -- views ---------------------------------------------------------------------------------
   def kv_view_geometry(self, num_blocks: int):
     """(K, V) data views: ``logical.transpose(1, 2)`` split on the last dim.
 
@@ -227,8 +207,9 @@ class KVCacheSpec:
     ``data_dim`` elements), ``(B, N, H, D)`` otherwise; V at offset D (or padded_hs).
     NVFP4 views are per side: see :meth:`nvfp4_split_geometry`.
     """
-    if self.format.kind == F.NVFP4:
-      raise ValueError("nvfp4 K/V are head groups, not content halves: use nvfp4_split_geometry")
+    if not self.codec.content_halves:
+      raise ValueError(f"{self.cache_dtype} K/V are head groups, not content halves: use "
+                       "nvfp4_split_geometry")
     s0, s1, s2, s3 = self.logical_strides(num_blocks)
     w = self.padded_head_size
     shape = (num_blocks, self.block_size, self.num_kv_heads, w)
@@ -238,7 +219,7 @@ class KVCacheSpec:
 
   def scale_view_geometry(self, num_blocks: int):
     """(K-scale, V-scale) float32 ``(B, N, H)`` views of per-token-head caches."""
-    if self.format.kind != F.PER_TOKEN_HEAD:
+    if not self.codec.has_row_scales:
       raise ValueError(f"cache_dtype={self.cache_dtype!r} has no per-token-head scales")
     s0, s1, s2, _ = self.logical_strides(num_blocks)
     ds = self.itemsize
@@ -250,18 +231,14 @@ class KVCacheSpec:
     return ViewGeometry(shape, strides, k_off, f32), ViewGeometry(shape, strides, v_off, f32)
 
   def nvfp4_split_geometry(self, num_blocks: int, side: str):
-    """(data, scale) views of one nvfp4 side ("k" or "v"), spec §5.
+    """(data, scale) views of one nvfp4 side ("k" or "v").
 
     data: uint8 ``(B, H, N, D/2)``; scales: e4m3 ``(B, H, N, D/16)``.
     """
-    if self.format.kind != F.NVFP4:
+    split = getattr(self.codec, "split_geometry", None)
+    if split is None:
       raise ValueError(f"cache_dtype={self.cache_dtype!r} is not nvfp4")
-    if side not in ("k", "v"):
-      raise ValueError(f"side={side!r} must be 'k' or 'v'")
-    s0, s1, s2, _ = self.logical_strides(num_blocks)
-    h, n, f = self.num_kv_heads, self.block_size, self.padded_head_size
-    side_off = 0 if side == "k" else h * s1
-    return nvfp4_split_strided((num_blocks, h, n, f), (s0, s1, s2, 1), side_off)
+    return split(self, num_blocks, side)
 
   # -- allocation --------------------------------------------------------------------------
   def allocate(self, num_blocks: int, num_layers: Optional[int] = None, *, sharding=None,
@@ -291,24 +268,6 @@ class KVCacheSpec:
       raise ValueError(f"cache shape {tuple(shape)} is not the spec's physical shape {expected} "
                        f"(layout={self.layout}, cache_dtype={self.cache_dtype!r})")
     return shape[0]
-
-
-def nvfp4_split_strided(shape, strides, offset):
-  """Data and scale geometry of one nvfp4 side given as a (P, d1, d2, F) uint8 view.
-
-  data_dim = F*8//9, scale_dim = F - data_dim; data strides scale s1, s2 by
-  data_dim/F at ``offset``; scales start at ``offset + d1*d2*data_dim``.
-  """
-  p, d1, d2, f = shape
-  s0, s1, s2, _ = strides
-  data_dim = f * 8 // 9
-  scale_dim = f - data_dim
-  u8 = np.dtype(np.uint8)
-  data = ViewGeometry((p, d1, d2, data_dim), (s0, s1 * data_dim // f, s2 * data_dim // f, 1),
-                      offset, u8)
-  scale = ViewGeometry((p, d1, d2, scale_dim), (s0, s1 * scale_dim // f, s2 * scale_dim // f, 1),
-                       offset + d1 * d2 * data_dim, np.dtype(jnp.float8_e4m3fn))
-  return data, scale
 
 
 @jax.tree_util.register_static

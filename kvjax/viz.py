@@ -1,22 +1,21 @@
-"""Pictures of the packed cache: one page's bytes, and decode read rates from a benchmark JSON.
+"""Pictures of the packed cache: what every byte of one page holds.
 
 matplotlib is optional (``pip install kvjax[viz]``); it is imported inside the
 plotting functions only. :func:`page_byte_map` needs numpy alone.
 
-CLI: ``python -m kvjax.viz --out docs/img`` draws ``page_layouts.png`` and, when
-``benchmarks/results/decode.json`` exists, ``decode_bandwidth.png``.
+CLI: ``python -m kvjax.viz --out docs/img`` draws ``page_layouts.png``. (The decode
+bandwidth plot of the benchmarks is ``benchmarks/plot_decode.py``.)
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from kvjax import formats as F
+from kvjax import quant
 from kvjax.spec import KVCacheSpec
 
 #: Byte categories of a page, in :func:`page_byte_map` codes.
@@ -27,15 +26,6 @@ _BASE_COLORS = {UNUSED: (0.85, 0.85, 0.85), K_DATA: (0.12, 0.40, 0.75),
                 K_SCALE: (0.05, 0.15, 0.35), V_DATA: (0.95, 0.55, 0.10),
                 V_SCALE: (0.55, 0.15, 0.05)}
 
-#: Decode read rates measured on the H200 (bf16, 32 q heads, 8 KV heads, D=128, block 16),
-#: TB/s, from shared/spec/platform_notes.md: {(batch, context): rate}.
-VLLM_TRITON_ANCHORS = {(64, 4096): 3.7, (128, 2048): 3.7, (16, 16384): 2.5, (8, 32768): 2.4,
-                       (256, 1024): 3.6}
-JAX_BUILTIN_ANCHORS = {(64, 4096): 1.5, (128, 2048): 1.45, (16, 16384): 1.55, (8, 32768): 1.6,
-                       (256, 1024): 1.4}
-STREAMING_READ_TB_S = 4.5     # a streaming Triton read kernel on the H200
-HBM_PEAK_TB_S = 4.8           # datasheet
-
 #: The small geometry the README picture uses: scale bytes stay visible next to data.
 PICTURE_GEOMETRY = dict(num_kv_heads=2, head_size=32, block_size=16)
 DEFAULT_PICTURE_FORMATS = (("auto", "NHD"), ("auto", "HND"), ("int8_per_token_head", "NHD"),
@@ -43,7 +33,7 @@ DEFAULT_PICTURE_FORMATS = (("auto", "NHD"), ("auto", "HND"), ("int8_per_token_he
                            ("nvfp4", "HND"))
 
 
-def _need_matplotlib():
+def need_matplotlib():
   try:
     import matplotlib.pyplot as plt
   except ImportError as e:
@@ -110,19 +100,19 @@ def page_byte_map(spec: KVCacheSpec) -> PageByteMap:
   nbytes = spec.page_bytes
   bmap = {"category": np.zeros(nbytes, np.int8), "head": np.full(nbytes, -1, np.int32),
           "token": np.full(nbytes, -1, np.int32)}
-  kind = spec.format.kind
-  if kind == F.NVFP4:
+  codec = spec.codec
+  if not codec.content_halves:          # nvfp4: head groups, each side [data | scales]
     for side, (cd, cs) in (("k", (K_DATA, K_SCALE)), ("v", (V_DATA, V_SCALE))):
       data, scale = spec.nvfp4_split_geometry(1, side)
       _mark(bmap, data, ("head", "token"), cd)
       _mark(bmap, scale, ("head", "token"), cs)
-    if spec.num_scales_per_row % 4 == 0:
+    if quant.nvfp4_v_scales_swizzled(spec.block_size, spec.num_scales_per_row):
       _unswizzle_v_scale_tokens(bmap, spec)
   else:
     kg, vg = spec.kv_view_geometry(1)
     _mark(bmap, kg, ("token", "head"), K_DATA, keep_last=spec.data_dim)
     _mark(bmap, vg, ("token", "head"), V_DATA, keep_last=spec.data_dim)
-    if kind == F.PER_TOKEN_HEAD:
+    if codec.has_row_scales:
       ks, vs = spec.scale_view_geometry(1)
       ks1 = dataclasses.replace(ks, shape=ks.shape + (1,), strides=ks.strides + (1,))
       vs1 = dataclasses.replace(vs, shape=vs.shape + (1,), strides=vs.strides + (1,))
@@ -134,7 +124,6 @@ def page_byte_map(spec: KVCacheSpec) -> PageByteMap:
 
 def _unswizzle_v_scale_tokens(bmap, spec: KVCacheSpec):
   """nvfp4 V scales are 4x4-swizzled per (head) tile: relabel each byte with its real token."""
-  from kvjax import quant
   n, s = spec.block_size, spec.num_scales_per_row
   idx = quant.nvfp4_v_swizzle_index(n, s)                 # flat tile position of (t, s)
   token_at = np.empty(n * s, np.int32)
@@ -167,7 +156,7 @@ def plot_page_layout(spec: KVCacheSpec, ax=None, path: Optional[str] = None, leg
   are later heads, the y labels name the (token, head) a row starts with.
   With ``path`` the figure is saved as PNG. Returns the matplotlib Axes.
   """
-  plt = _need_matplotlib()
+  plt = need_matplotlib()
   bmap = page_byte_map(spec)
   own = ax is None
   if own:
@@ -211,7 +200,7 @@ def default_picture_specs() -> Sequence[KVCacheSpec]:
 
 def plot_page_layouts(specs: Optional[Iterable[KVCacheSpec]], path: str, ncols: int = 2):
   """A grid of :func:`plot_page_layout` pictures saved as PNG at ``path``; returns ``path``."""
-  plt = _need_matplotlib()
+  plt = need_matplotlib()
   specs = list(default_picture_specs() if specs is None else specs)
   if not specs:
     raise ValueError("specs is empty")
@@ -234,109 +223,14 @@ def plot_page_layouts(specs: Optional[Iterable[KVCacheSpec]], path: str, ncols: 
   return path
 
 
-# -- decode bandwidth ----------------------------------------------------------------------------
-_REQUIRED_ROW_KEYS = ("kernel", "cache_dtype", "layout", "batch", "context", "tb_per_s")
-
-
-def load_decode_results(results_json) -> dict:
-  """Read and check a decode benchmark JSON (a path or an already loaded dict)."""
-  if isinstance(results_json, dict):
-    data = results_json
-  else:
-    with open(results_json) as f:
-      data = json.load(f)
-  rows = data.get("rows")
-  if not isinstance(rows, list) or not rows:
-    raise ValueError("decode results need a non-empty 'rows' list")
-  for i, r in enumerate(rows):
-    missing = [k for k in _REQUIRED_ROW_KEYS if k not in r]
-    if missing:
-      raise ValueError(f"decode results row {i} lacks {missing}")
-  return data
-
-
-def plot_decode_bandwidth(results_json, path: str, h200_anchors: Optional[bool] = None):
-  """KV bytes read per second vs batch x context, one line per (kernel, cache dtype, layout).
-
-  Draws the JSON's copy-rate ceiling (``copy_tb_s``) and, for an H200 run
-  (``h200_anchors=None``: when "H200" is in ``device``), the streaming-read ceiling
-  (4.5 TB/s) and the anchors of vLLM's Triton kernel and JAX's built-in Pallas
-  kernel at the shapes they were measured at. Rows with several ``config`` values
-  get one line per config. Saves a PNG at ``path``; returns ``path``.
-  """
-  plt = _need_matplotlib()
-  data = load_decode_results(results_json)
-  rows = data["rows"]
-  if h200_anchors is None:
-    h200_anchors = "H200" in str(data.get("device", ""))
-  shapes = sorted({(int(r["batch"]), int(r["context"])) for r in rows},
-                  key=lambda bc: (bc[0] * bc[1], bc[1]))
-  xpos = {bc: i for i, bc in enumerate(shapes)}
-  fig, ax = plt.subplots(figsize=(11, 5.2), constrained_layout=True)
-  series = {}
-  for r in rows:
-    key = (r["kernel"], r["cache_dtype"], r["layout"], str(r.get("config") or "default"))
-    series.setdefault(key, []).append((xpos[(int(r["batch"]), int(r["context"]))],
-                                       float(r["tb_per_s"])))
-  markers = {"kvjax": "o", "jax_builtin": "s", "torch_sdpa": "^"}
-  for key in sorted(series):
-    pts = sorted(series[key])
-    xs, ys = zip(*pts)
-    kernel, cdt, lay, cfg = key
-    extra = "" if cfg == "default" else f", {cfg}"
-    ax.plot(xs, ys, marker=markers.get(kernel, "D"), linewidth=1.6,
-            label=f"{kernel} ({cdt}, {lay}{extra})")
-  anchor_sets = ((VLLM_TRITON_ANCHORS, "vLLM 0.28 Triton (H200 anchor)", "*"),
-                 (JAX_BUILTIN_ANCHORS, "JAX built-in paged_attention (H200 anchor)", "x"))
-  for anchors, name, style in anchor_sets if h200_anchors else ():
-    pts = [(xpos[bc], v) for bc, v in anchors.items() if bc in xpos]
-    if pts:
-      xs, ys = zip(*sorted(pts))
-      ax.plot(xs, ys, linestyle="none", marker=style, markersize=10, color="0.35", label=name)
-  copy = data.get("copy_tb_s")
-  if copy:
-    ax.axhline(float(copy), color="tab:red", linestyle="--", linewidth=1,
-               label=f"device copy rate {float(copy):.3g} TB/s (read + write)")
-  if h200_anchors:
-    ax.axhline(STREAMING_READ_TB_S, color="0.2", linestyle=":", linewidth=1,
-               label=f"streaming read ceiling {STREAMING_READ_TB_S} TB/s (H200)")
-  ax.set_xticks(range(len(shapes)))
-  ax.set_xticklabels([f"{b}×{c}" for b, c in shapes], rotation=30, fontsize=8)
-  ax.set_xlabel("batch × context (tokens)")
-  ax.set_ylabel("KV bytes read per second (TB/s)")
-  ymax = max([STREAMING_READ_TB_S if h200_anchors else 0.0, float(copy or 0)]
-             + [float(r["tb_per_s"]) for r in rows]) or 1.0
-  ax.set_ylim(0, ymax * 1.12)
-  ax.grid(True, axis="y", alpha=0.3)
-  ax.set_title(f"Paged decode attention, KV read rate — {data.get('device', '?')}, "
-               f"{data.get('date', '?')}", fontsize=10)
-  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
-  versions = data.get("versions") or {}
-  foot = ", ".join(f"{k} {v}" for k, v in versions.items())
-  if data.get("command"):
-    foot = (foot + "\n" if foot else "") + f"$ {data['command']}"
-  if foot:
-    fig.text(0.01, -0.01, foot, fontsize=6, va="top", family="monospace")
-  fig.savefig(path, dpi=130, bbox_inches="tight")
-  plt.close(fig)
-  return path
-
-
 # -- CLI ----------------------------------------------------------------------------------------
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m kvjax.viz", description=__doc__.split("\n")[0])
   parser.add_argument("--out", default="docs/img", help="output folder (default docs/img)")
-  parser.add_argument("--results", default=os.path.join("benchmarks", "results", "decode.json"),
-                      help="decode benchmark JSON (drawn when it exists)")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   p = plot_page_layouts(None, os.path.join(args.out, "page_layouts.png"))
   print(f"wrote {p}")
-  if os.path.exists(args.results):
-    p = plot_decode_bandwidth(args.results, os.path.join(args.out, "decode_bandwidth.png"))
-    print(f"wrote {p}")
-  else:
-    print(f"skipped decode_bandwidth.png: {args.results} not found")
   return 0
 
 

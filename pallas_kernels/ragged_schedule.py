@@ -14,16 +14,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.common import cdiv, next_pow2  # noqa: F401 (also for the Mosaic backends)
+
 #: q0 of an empty (surplus) tile: past any sequence, so it holds no query row.
 EMPTY_TILE_Q0 = 1 << 30
-
-
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-def next_pow2(x: int) -> int:
-  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def num_tiles_bound(num_tokens: int, num_seqs: int, bq: int, max_query_len: int) -> int:

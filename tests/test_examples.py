@@ -149,7 +149,7 @@ def test_notebook_executes(monkeypatch):
       elif "image/png" in o.get("data", {}):
         images += 1
   text = "".join(text)
-  # the contract's worked numbers (shared/spec/layout.md §3, §5)
+  # the contract's worked numbers (docs/layout.md §3, §5)
   assert "strides (32768, 2048, 256, 1)" in text and "strides (32768, 256, 4096, 1)" in text
   assert "(2112, 132, 66) float32 offsets 32 65" in text
   assert "@ 8192" in text and "@ 9216" in text

@@ -11,8 +11,8 @@ from jax import export
 
 from kvjax import KVCacheSpec
 from kvjax import formats as F
-from pallas_kernels.decode_attention import paged_decode_attention
-from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.triton.decode import paged_decode_attention
+from pallas_kernels.triton.ragged import ragged_paged_attention
 
 ALLOW = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 S, G, MAX_BLOCKS = 4, 4, 8

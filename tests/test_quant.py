@@ -1,4 +1,4 @@
-"""Quantization formulas (spec §5): the worked examples and independent numpy oracles."""
+"""Quantization formulas (docs/layout.md §5): the worked examples and independent numpy oracles."""
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -9,7 +9,6 @@ from kvjax import quant
 
 INT8 = F.get_format("int8_per_token_head")
 FP8 = F.get_format("fp8_per_token_head")
-INT4 = F.get_format("int4_per_token_head")
 
 
 def test_int8_worked_example():
@@ -52,9 +51,10 @@ def test_int8_matches_numpy(rng):
 
 def test_int4_matches_numpy(rng):
   x = (rng.standard_normal((32, 2, 64)) * 3 + rng.standard_normal((32, 2, 1))).astype(np.float32)
-  packed, scale = quant.quantize_per_token_head(jnp.asarray(x), INT4)
+  packed, scale = quant.quantize_int4(jnp.asarray(x))
   lo, hi = x.min(-1), x.max(-1)
-  s = np.maximum((hi - lo) * (np.float32(1) / np.float32(15)), np.float32(1e-6))
+  fifteenth = np.float32(1) / np.float32(15)
+  s = np.maximum(hi * fifteenth - lo * fifteenth, np.float32(1e-6))
   zp = np.clip(np.round(-lo / s), 0, 15)
   q = np.clip(np.round(x * (np.float32(1) / s)[..., None] + zp[..., None]), 0, 15)
   q = q.astype(np.uint8)
@@ -67,7 +67,7 @@ def test_int4_matches_numpy(rng):
   np.testing.assert_array_equal(bits & 0xF, zp.astype(np.uint32))
   masked = (bits & ~np.uint32(0xF)).view(np.float32)
   np.testing.assert_array_equal(masked, (s.view(np.uint32) & ~np.uint32(0xF)).view(np.float32))
-  back = np.asarray(quant.dequantize_per_token_head(packed, scale, INT4))
+  back = np.asarray(quant.dequantize_int4(packed, scale))
   assert np.all(np.abs(back - x) <= s[..., None] * 0.5 * 1.001 + 1e-5)
 
 
@@ -149,3 +149,17 @@ def test_eager_and_jit_store_the_same_bits(rng, name):
     f = lambda x: quant.quantize_per_token_head(x, fmt)
   for a, b in zip(f(x), jax.jit(f)(x)):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_nvfp4_flushes_tiny_groups_without_a_global_scale():
+  """docs/layout.md §5: with k_scale 1.0, a group whose amax is below 6 * 2**-10 (~0.006)
+  gets scale 0 (e4m3's smallest step is 2**-9) and reads back as zeros; a k_scale fixes it."""
+  x = np.zeros((2, 16), np.float32)
+  x[0, :] = np.linspace(-0.0055, 0.0055, 16)
+  x[1, :] = np.linspace(-0.0062, 0.0062, 16)
+  packed, sf = quant.quantize_nvfp4(jnp.asarray(x), None)
+  back = np.asarray(quant.dequantize_nvfp4(packed, sf, None))
+  assert not back[0].any() and np.abs(back[1]).max() > 0
+  packed, sf = quant.quantize_nvfp4(jnp.asarray(x), 0.001)
+  back = np.asarray(quant.dequantize_nvfp4(packed, sf, 0.001))
+  assert np.all(np.abs(back - x) <= np.abs(x).max(-1, keepdims=True) * 0.25 + 1e-9)

@@ -1,109 +1,15 @@
-"""The reference attention (the oracle) against a plain float64 numpy loop, and legacy 5-D."""
+"""The public attention entry (defaults, validation, auto on a GPU) and legacy 5-D caches.
+
+The attention case suite, the reference among its implementations, is test_op_attention.py.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kvjax
-from kv_testing import nan_cache, random_kv, spec_for
-
-
-def build_batch(rng, spec, q_lens, prefix_lens, num_q_heads, pad_tokens=0, k_scale=None):
-  """Random ragged batch written into a fresh cache with random block tables.
-
-  Returns (q, cache, meta, k_f64, v_f64) where k/v are the dequantized per-sequence keys.
-  """
-  n = spec.block_size
-  seq_lens = np.asarray(q_lens) + np.asarray(prefix_lens)
-  blocks_per_seq = [-(-int(s) // n) for s in seq_lens]
-  max_blocks = max(blocks_per_seq) + 1
-  num_blocks = sum(blocks_per_seq) + 3                 # spare pages, never referenced
-  perm = rng.permutation(num_blocks)
-  block_table = np.full((len(q_lens), max_blocks), -1, np.int32)
-  cursor = 0
-  slots = []
-  for i, nb in enumerate(blocks_per_seq):
-    block_table[i, :nb] = perm[cursor:cursor + nb]
-    cursor += nb
-    pos = np.arange(seq_lens[i])
-    slots.append(block_table[i, pos // n] * n + pos % n)
-  slots = np.concatenate(slots).astype(np.int32)
-  # Unwritten slots hold NaN-ish garbage: masked keys must never reach the output.
-  cache = nan_cache(spec, num_blocks)
-  key, value = random_kv(rng, spec, len(slots))
-  cache = kvjax.write_kv(cache, key, value, jnp.asarray(slots), spec, k_scale=k_scale,
-                         v_scale=k_scale, impl="reference")
-  k, v = kvjax.read_kv(cache, spec, jnp.asarray(slots), k_scale=k_scale, v_scale=k_scale)
-  qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-  t = int(qsl[-1]) + pad_tokens
-  q = jnp.asarray(rng.standard_normal((t, num_q_heads, spec.head_size)).astype(np.float32))
-  meta = dict(query_start_loc=jnp.asarray(qsl), seq_lens=jnp.asarray(seq_lens, jnp.int32),
-              block_table=jnp.asarray(block_table))
-  starts = np.concatenate([[0], np.cumsum(seq_lens)])
-  ks = [np.asarray(k[starts[i]:starts[i + 1]], np.float64) for i in range(len(q_lens))]
-  vs = [np.asarray(v[starts[i]:starts[i + 1]], np.float64) for i in range(len(q_lens))]
-  return q, cache, meta, ks, vs
-
-
-def numpy_attention(q, meta, ks, vs, *, scale, causal=True, window=None, soft_cap=None,
-                    sinks=None):
-  q = np.asarray(q, np.float64)
-  t, hq, d = q.shape
-  out = np.zeros_like(q)
-  qsl = np.asarray(meta["query_start_loc"])
-  seq_lens = np.asarray(meta["seq_lens"])
-  for s in range(len(seq_lens)):
-    k, v = ks[s], vs[s]
-    h = k.shape[1]
-    g = hq // h
-    q_len = qsl[s + 1] - qsl[s]
-    for i in range(q_len):
-      pos = seq_lens[s] - q_len + i
-      for head in range(hq):
-        kv = head // g
-        sc = scale * k[:, kv] @ q[qsl[s] + i, head]
-        if soft_cap is not None:
-          sc = soft_cap * np.tanh(sc / soft_cap)
-        keys = np.arange(seq_lens[s])
-        mask = np.ones_like(keys, bool)
-        if causal:
-          mask &= keys <= pos
-        if window is not None:
-          mask &= pos - keys < window
-        if not mask.any():
-          continue
-        logits = sc[mask]
-        m = logits.max() if sinks is None else max(logits.max(), sinks[head])
-        p = np.exp(logits - m)
-        denom = p.sum() + (0 if sinks is None else np.exp(sinks[head] - m))
-        out[qsl[s] + i, head] = p @ v[mask, kv] / denom
-  return out
-
-
-@pytest.mark.parametrize("layout,cache_dtype,g,window,soft_cap,use_sinks", [
-    ("NHD", "bfloat16", 4, None, None, False),
-    ("HND", "float32", 1, 5, None, True),
-    ("NHD", "int8_per_token_head", 7, None, 20.0, False),
-    ("HND", "fp8", 2, 9, 10.0, True),
-    ("HND", "nvfp4", 3, None, None, False),
-    ("NHD", "int4_per_token_head", 2, None, None, True),
-])
-def test_reference_matches_numpy(rng, layout, cache_dtype, g, window, soft_cap, use_sinks):
-  spec = spec_for(cache_dtype, layout, num_kv_heads=2, head_size=32)
-  q_lens = [1, 5, 17, 1]
-  prefix = [0, 0, 23, 40]
-  ks = 0.5 if spec.format.has_tensor_scales else None
-  q, cache, meta, kk, vv = build_batch(rng, spec, q_lens, prefix, 2 * g, pad_tokens=3,
-                                       k_scale=ks)
-  sinks = rng.standard_normal(2 * g).astype(np.float32) if use_sinks else None
-  scale = 1 / np.sqrt(32)
-  out = kvjax.reference.unified_attention(
-      q, cache, spec, scale=scale, sliding_window=window, soft_cap=soft_cap,
-      sinks=None if sinks is None else jnp.asarray(sinks), k_scale=ks, v_scale=ks, **meta)
-  expect = numpy_attention(q, meta, kk, vv, scale=scale, window=window, soft_cap=soft_cap,
-                           sinks=sinks)
-  np.testing.assert_allclose(np.asarray(out), expect, rtol=2e-5, atol=2e-5)
-  assert not np.asarray(out)[-3:].any(), "padding tokens must output 0"
+from attention_cases import build_batch, numpy_attention
+from kv_testing import spec_for
 
 
 def test_public_entry_defaults_to_reference_on_cpu_and_validates(rng):
@@ -146,12 +52,11 @@ def test_legacy_5d_roundtrip(rng, layout):
     kvjax.from_legacy_5d(legacy, spec_for("int8_per_token_head"))
 
 
-def test_auto_on_gpu_runs_ragged_kernel_for_int4(rng, monkeypatch):
-  """impl="auto" on a GPU backend sends a ragged batch (an int4 cache here) to the ragged
-  Pallas kernel (in interpret mode), not the reference, and matches the numpy oracle."""
-  from kvjax import dispatch
-  from pallas_kernels import ragged_attention
-  monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
+def test_auto_on_gpu_runs_the_ragged_kernel(rng, monkeypatch):
+  """impl="auto" on a GPU backend sends a ragged batch to the ragged Triton kernel (here in
+  interpret mode), not the reference, and matches the numpy oracle."""
+  from kvjax import registry
+  from pallas_kernels.triton import ragged as ragged_attention
   calls = []
   kernel = ragged_attention.ragged_paged_attention
 
@@ -160,9 +65,32 @@ def test_auto_on_gpu_runs_ragged_kernel_for_int4(rng, monkeypatch):
     return kernel(*args, **kwargs)
 
   monkeypatch.setattr(ragged_attention, "ragged_paged_attention", spy)
-  spec = spec_for("int4_per_token_head", num_kv_heads=2, head_size=32)
+  spec = spec_for("bfloat16", num_kv_heads=2, head_size=32)
   q, cache, meta, kk, vv = build_batch(rng, spec, [3, 1], [4, 9], 4)
+  monkeypatch.setattr(registry, "platform", lambda: "gpu")
   out = kvjax.unified_attention(q, cache, spec, scale=0.2, interpret=True, **meta)
   assert calls == [True]
   np.testing.assert_allclose(np.asarray(out), numpy_attention(q, meta, kk, vv, scale=0.2),
                              rtol=2e-5, atol=2e-5)
+
+
+def test_jit_of_the_public_ops_needs_no_static_argnums(rng):
+  """KVCacheSpec is a static pytree node: jax.jit of the public functions just works."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16)
+  cache = spec.allocate(4)
+  k, v = (jnp.asarray(rng.standard_normal((5, 2, 32)), jnp.bfloat16) for _ in range(2))
+  slots = jnp.asarray([3, 20, 41, 60, 7], jnp.int32)
+  cache = jax.jit(kvjax.write_kv)(cache, k, v, slots, spec)
+  rk, _ = jax.jit(kvjax.read_kv)(cache, spec, slots)
+  np.testing.assert_array_equal(np.asarray(rk), np.asarray(k, np.float32))
+  q = jnp.asarray(rng.standard_normal((5, 4, 32)), jnp.bfloat16)
+  meta = dict(query_start_loc=jnp.asarray([0, 2, 5], jnp.int32),
+              seq_lens=jnp.asarray([2, 3], jnp.int32),
+              block_table=jnp.asarray([[0, 1], [2, 3]], jnp.int32))
+  out = jax.jit(kvjax.unified_attention)(q, cache, spec, scale=0.25, **meta)
+  want = kvjax.reference.unified_attention(q, cache, spec, scale=0.25, **meta)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  assert jax.tree_util.tree_leaves(spec) == [] and hash(spec) == hash(
+      kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16))
+  mla = kvjax.MLACacheSpec()
+  assert jax.tree_util.tree_leaves(mla) == [] and hash(mla) == hash(kvjax.MLACacheSpec())

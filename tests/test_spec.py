@@ -1,4 +1,4 @@
-"""Shapes, stride orders, view geometry and validation: the spec's worked numbers (§1–§3)."""
+"""Shapes, stride orders, view geometry and validation: docs/layout.md's worked numbers (§1-§3)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

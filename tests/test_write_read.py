@@ -103,7 +103,7 @@ def test_read_rejects_and_write_rejects(rng):
       (dict(key=key[:2]), ValueError, "fewer"),
       (dict(cache=cache[:, :, :, :-1]), ValueError, "physical shape"),
       (dict(cache=cache.astype(jnp.uint8)), TypeError, "dtype"),
-      (dict(impl="triton"), ValueError, "impl"),
+      (dict(impl="cuda"), ValueError, "impl"),
   ]
   for override, err, match in cases:
     args = dict(cache=cache, key=key, value=value, slot_mapping=slots, spec=spec)
@@ -209,3 +209,16 @@ def test_empty_write_and_read(rng, cache_dtype):
   np.testing.assert_array_equal(as_bytes(out), as_bytes(cache))
   k, v = kvjax.read_kv(out, spec, none)
   assert k.shape == v.shape == (0, 2, 16)
+
+
+def test_wide_integer_slots_are_compared_before_narrowing():
+  """kvjax.slots.int32_slots (used by every writer): int64 / uint slots outside the cache
+  become -1 before the int32 cast, so 2**32 + 7 and -(2**32) + 5 never wrap to 7 and 5."""
+  from kvjax.slots import int32_slots
+  s64 = np.asarray([3, 2**32 + 7, -(2**32) + 5, 17, 2**31 + 1], np.int64)
+  np.testing.assert_array_equal(np.asarray(int32_slots(s64, 64)), [3, -1, -1, 17, -1])
+  u32 = np.asarray([5, 2**31 + 5, 63, 64], np.uint32)
+  np.testing.assert_array_equal(np.asarray(int32_slots(u32, 64)), [5, -1, 63, -1])
+  i32 = jnp.asarray([5, -1, 2**31 - 1], jnp.int32)       # passed through: kernels bound-check
+  assert int32_slots(i32, 64).dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(int32_slots(i32, 64)), [5, -1, 2**31 - 1])

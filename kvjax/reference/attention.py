@@ -1,4 +1,4 @@
-"""Reference unified (ragged prefill + decode) paged attention, pure jnp (spec §6).
+"""Reference unified (ragged prefill + decode) paged attention, pure jnp (docs/layout.md §6).
 
 The oracle for every attention kernel: simple, float32 at HIGHEST precision,
 one query token at a time over its sequence's dequantized pages.
@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import ragged_batch as RB
+from kvjax.ragged_batch import token_positions  # noqa: F401  (pallas_kernels.mosaic_tpu's import)
 from kvjax.spec import KVCacheSpec
 from kvjax.views import dequantize_pages
 

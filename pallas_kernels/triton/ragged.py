@@ -1,9 +1,8 @@
 """Unified ragged paged attention (prefill with cached prefix + decode in one batch), Pallas.
 
-Semantics: exactly :func:`kvjax.reference.unified_attention` (spec §6). This
-module validates what the kernels support, builds the static tiling, and is
-the one dispatch point between backends (today: the Triton-lowering kernel in
-:mod:`pallas_kernels.ragged_triton`, also used in interpret mode on CPU).
+Semantics: exactly :func:`kvjax.reference.unified_attention`. This module builds the static
+tiling and launches the kernel in :mod:`pallas_kernels.triton.ragged_kernel` (Triton lowering on GPU,
+interpret mode on CPU). Arguments arrive validated by ``kvjax.unified_attention``.
 
 Static sizes and recompilation (bucketing rule)
 -----------------------------------------------
@@ -29,21 +28,20 @@ from __future__ import annotations
 from typing import Optional
 
 import jax.numpy as jnp
-import numpy as np
 
-from kvjax import formats as F
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
-from pallas_kernels.decode_attention import static_or_none
-from pallas_kernels import ragged_triton
-from pallas_kernels.decode_formats import TileFormat
+from pallas_kernels.common import next_pow2
+from pallas_kernels.triton import ragged_kernel
+from pallas_kernels.triton.decode import static_or_none
+from pallas_kernels.triton.formats import TileFormat
 
 _MAX_ROWS = 256
 
 
 def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, interpret: bool,
-                        compute_itemsize: int) -> ragged_triton.TileConfig:
+                        compute_itemsize: int) -> ragged_kernel.TileConfig:
   """Tiles for this problem: rows from the max_query_len bucket, smaller on CPU interpret.
 
   Measured on the H200 (4 x 4096 causal, bf16, D=128, G=4; benchmarks/results/prefill.md):
@@ -51,51 +49,31 @@ def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, inter
   64 x 32, 4 warps: 253. Buckets too small for 256 rows use the best smaller tile.
   """
   cap = 32 if interpret else _MAX_ROWS
-  rows = max(16, min(cap, sched.next_pow2(max_query_len * group)))
-  rows = max(rows, sched.next_pow2(group))          # at least one token per tile
+  rows = max(16, min(cap, next_pow2(max_query_len * group)))
+  rows = max(rows, next_pow2(group))                # at least one token per tile
   if interpret:
-    return ragged_triton.TileConfig(rows=rows, block_kv=16, num_warps=4, num_stages=1)
+    return ragged_kernel.TileConfig(rows=rows, block_kv=16, num_warps=4, num_stages=1)
   if spec.head_size > 128 or compute_itemsize > 2:  # big tiles: keep registers/smem in budget
     rows = min(rows, 64)
-    return ragged_triton.TileConfig(rows=rows, block_kv=32, num_warps=4, num_stages=2)
+    return ragged_kernel.TileConfig(rows=rows, block_kv=32, num_warps=4, num_stages=2)
   if rows >= 256:
-    return ragged_triton.TileConfig(rows=rows, block_kv=64, num_warps=8, num_stages=3)
+    return ragged_kernel.TileConfig(rows=rows, block_kv=64, num_warps=8, num_stages=3)
   block_kv = 32 if rows >= 64 else 64   # decode-sized tiles: more keys in flight per step
-  return ragged_triton.TileConfig(rows=rows, block_kv=block_kv, num_warps=4, num_stages=3)
-
-
-def supports_spec(spec: KVCacheSpec) -> bool:
-  """Every KVCacheSpec (int4 / nvfp4 caches, even and odd head dims kept apart, through the
-  decode kernel's TileFormat). Raises TypeError for anything but a KVCacheSpec."""
-  if not isinstance(spec, KVCacheSpec):
-    raise TypeError(f"spec must be a kvjax.KVCacheSpec, got {type(spec).__name__}")
-  return True
-
-
-def _compute_dtype(q_dtype, spec: KVCacheSpec):
-  """Dot operand dtype: q's dtype when it is 16-bit, else float32."""
-  if np.dtype(q_dtype).itemsize == 2:
-    return np.dtype(q_dtype)
-  return np.dtype(np.float32)
-
-
-def _per_head(x, num_heads: int):
-  s = jnp.asarray(1.0 if x is None else x, jnp.float32)
-  return jnp.broadcast_to(s.reshape(-1) if s.ndim else s, (num_heads,))
+  return ragged_kernel.TileConfig(rows=rows, block_kv=block_kv, num_warps=4, num_stages=3)
 
 
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
                            scale, causal=True, sliding_window=None, soft_cap=None, sinks=None,
                            k_scale=None, v_scale=None, max_query_len=None, interpret=False,
-                           tile_config: Optional[ragged_triton.TileConfig] = None):
-  """Ragged paged attention over the packed cache (spec §6), one Pallas kernel.
+                           tile_config: Optional[ragged_kernel.TileConfig] = None):
+  """Ragged paged attention over the packed cache, one Pallas kernel.
 
   Args:
     q: ``[T, Hq, D]`` flattened query tokens (bf16/f16/f32).
     cache: the spec's physical cache array (read in place, never split into K/V arrays).
     query_start_loc: int32 ``[S+1]``; seq_lens: int32 ``[S]`` (prefix + new);
       block_table: int32 ``[S, max_blocks]``.
-    scale: softmax scale (Python float). causal, sliding_window, soft_cap: static.
+    scale: softmax scale (a Python float, or traced). causal, sliding_window, soft_cap: static.
     sinks: float32 ``[Hq]`` per-query-head sink logits or None.
     k_scale, v_scale: fp8 per-tensor / nvfp4 global scales, scalar or ``[H]`` (else ignored).
     max_query_len: static bound on per-sequence query length (None = T), bucketed (module doc).
@@ -104,67 +82,54 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
   """
-  supports_spec(spec)
   t, hq, d = q.shape
   h = spec.num_kv_heads
-  if hq % h:
-    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={h}")
-  if d != spec.head_size:
-    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
   group = hq // h
-  num_blocks = spec.num_blocks_of(cache)
   num_seqs = seq_lens.shape[0]
   if t == 0 or num_seqs == 0:
     return jnp.zeros(q.shape, q.dtype)
   promised = t if max_query_len is None else int(max_query_len)
-  if promised <= 0:
-    raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
-  mql = min(sched.next_pow2(promised), sched.next_pow2(t))
-  cdt = _compute_dtype(q.dtype, spec)
-  cfg = tile_config or default_tile_config(spec, group, mql, interpret, cdt.itemsize)
+  mql = min(next_pow2(promised), next_pow2(t))
+  fmt = TileFormat.of(spec, q.dtype)
+  cfg = tile_config or default_tile_config(spec, group, mql, interpret,
+                                           fmt.compute_dtype.itemsize)
   if cfg.rows < group:
     raise ValueError(f"tile rows={cfg.rows} must be >= the GQA group size {group}")
   bq = cfg.rows // group
-  num_tiles = sched.num_tiles_bound(t, num_seqs, bq, mql)
-  fmt = spec.format
-  st = ragged_triton.KernelStatics(
-      kind=fmt.kind, quant=fmt.quant if fmt.kind == F.PER_TOKEN_HEAD else None,
-      head_size=d, head_pad=sched.next_pow2(d), data_dim=spec.data_dim,
-      v_offset=spec.padded_head_size, num_kv_heads=h, group=group, block_size=spec.block_size,
-      layout=spec.layout, num_blocks=num_blocks, max_blocks=block_table.shape[1],
-      num_tiles=num_tiles, bq=bq, rows=cfg.rows, block_kv=cfg.block_kv, causal=bool(causal),
+  st = ragged_kernel.KernelStatics(
+      fmt=fmt, head_pad=next_pow2(d), group=group, num_blocks=cache.shape[0],
+      max_blocks=block_table.shape[1], num_tiles=sched.num_tiles_bound(t, num_seqs, bq, mql),
+      bq=bq, rows=cfg.rows, block_kv=cfg.block_kv, causal=bool(causal),
       window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
-      scale=static_or_none(scale), compute_dtype=cdt, array_cols=bool(interpret))
-  tf = TileFormat.of(spec, q.dtype) if fmt.kind == F.NVFP4 or fmt.quant == "int4" else None
+      scale=static_or_none(scale), array_cols=bool(interpret))
   return _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks, scale,
-              st=st, cfg=cfg, tf=tf, promised=promised, interpret=bool(interpret))
+              st=st, cfg=cfg, promised=promised, interpret=bool(interpret))
 
 
 def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks, scale, *,
-         st, cfg, tf, promised, interpret):
-  """Launch the kernel. The cache goes in as rows ``[R, C]`` (a free reshape), or as pages
-  ``[B, page_elems]`` for int4 / nvfp4 (``tf``: the decode kernel's TileFormat).
+         st, cfg, promised, interpret):
+  """Launch the kernel. The cache goes in as rows ``[R, C]`` (a free reshape) for formats
+  the row tiles read, else as pages ``[B, page_elems]``.
 
   Metadata is clamped first (:mod:`kvjax.ragged_batch`), so every row and block the kernel
   addresses is in bounds; sequences with more than ``promised`` query tokens get no tile."""
   t, hq, d = q.shape
+  fmt = st.fmt
   qsl, sl = RB.clamp_metadata(query_start_loc, seq_lens, num_tokens=t,
                               capacity=st.max_blocks * st.block_size)
   tile_seq, tile_q0 = sched.tile_schedule(qsl, st.num_tiles, st.bq, promised)
   meta = (tile_seq, tile_q0, qsl, sl, block_table.astype(jnp.int32).reshape(-1))
-  if tf is None:
+  if fmt.row_table:
     cache2d = cache.reshape(-1, cache.shape[-1])        # free: contiguous physical rows
   else:
-    cache2d = cache.reshape(st.num_blocks, tf.page_elems)
-  has_tensor_scales = st.kind in (F.FP8_PER_TENSOR, F.NVFP4)
-  ks = _per_head(k_scale if has_tensor_scales else None, st.num_kv_heads)
-  vs = _per_head(v_scale if has_tensor_scales else None, st.num_kv_heads)
+    cache2d = cache.reshape(st.num_blocks, fmt.page_elems)
+  ks, vs = fmt.tensor_scales(k_scale, v_scale)
   if st.scale is None:      # traced softmax scale: the kernel reads it at ks[H]
     ks = jnp.concatenate([ks, jnp.asarray(scale, jnp.float32).reshape(1)])
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
-  out = ragged_triton.ragged_attention_call(
+  out = ragged_kernel.ragged_attention_call(
       q.reshape(t * hq, d), cache2d, meta, ks, vs, sk, jnp.zeros((t * hq, d), q.dtype),
-      st=st, cfg=cfg, tf=tf, interpret=interpret)
+      st=st, cfg=cfg, interpret=interpret)
   return out.reshape(t, hq, d)

@@ -1,11 +1,12 @@
-"""Paged decode attention over the packed cache: one query token per sequence (spec §6).
+"""Paged decode attention over the packed cache: one query token per sequence.
 
 Entry point :func:`paged_decode_attention`. The kernel
-(:mod:`pallas_kernels.decode_triton`) reads q and the physical cache directly (K
+(:mod:`pallas_kernels.triton.decode_kernel`) reads q and the physical cache directly (K
 and V of a token in the same step, dequantized in the kernel). With one split it
 writes the output itself; with several (few long sequences) this module merges
 the per-split partials and the sinks in XLA. Works under ``jax.jit``: ``seq_lens`` and
-``block_table`` may be traced; shapes, ``scale``, window and soft cap are static.
+``block_table`` may be traced; shapes, window and soft cap are static. Arguments arrive
+validated by ``kvjax.unified_attention``.
 """
 from __future__ import annotations
 
@@ -14,20 +15,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kvjax import formats as F
 from kvjax import ragged_batch as RB
-from kvjax import validation as V
 from kvjax.spec import KVCacheSpec
-from pallas_kernels.decode_config import DecodeConfig, choose_num_splits, default_config
-from pallas_kernels.decode_formats import TileFormat
-from pallas_kernels.decode_triton import decode_call
-
-
-def _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks):
-  V.check_attention_inputs(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks)
-  if jnp.shape(seq_lens)[0] != q.shape[0]:
-    raise ValueError(f"q [S={q.shape[0]}, ...] and seq_lens {jnp.shape(seq_lens)} disagree on S "
-                     "(decode: one query per sequence)")
+from kvjax import quant
+from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits, default_config
+from pallas_kernels.triton.decode_kernel import decode_call
+from pallas_kernels.triton.formats import TileFormat
 
 
 def static_or_none(x):
@@ -36,25 +29,13 @@ def static_or_none(x):
   return None if isinstance(x, jax.core.Tracer) else float(x)
 
 
-def _tensor_scales(spec: KVCacheSpec, k_scale, v_scale, scale=None):
-  """float32 ``[2, H]``: the k and v global scales per KV head (ones when the format has none);
-  ``[3, H]`` with the softmax scale in row 2 when ``scale`` (traced) is given."""
-  h = spec.num_kv_heads
-  rows = []
-  for sc in (k_scale, v_scale):
-    if sc is None or not spec.format.has_tensor_scales:
-      rows.append(jnp.ones((h,), jnp.float32))
-      continue
-    sc = jnp.asarray(sc, jnp.float32)
-    if sc.size == 1:
-      sc = jnp.broadcast_to(sc.reshape(()), (h,))
-    elif sc.shape != (h,) or spec.format.kind == F.NVFP4:
-      raise ValueError(f"scale must be a scalar{' or [H]' if spec.format.kind != F.NVFP4 else ''}"
-                       f" for cache_dtype={spec.cache_dtype!r}, got shape {sc.shape}")
-    rows.append(sc)
-  if scale is not None:
-    rows.append(jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (h,)))
-  return jnp.stack(rows)
+def _kernel_scales(tf: TileFormat, k_scale, v_scale, scale=None):
+  """float32 ``[2, H]`` k / v global scales per KV head; ``[3, H]`` with the softmax scale in
+  row 2 when ``scale`` (traced) is given."""
+  ts = tf.tensor_scales(k_scale, v_scale)
+  if scale is None:
+    return ts
+  return jnp.concatenate([ts, quant.per_head_scales(scale, tf.num_heads)[None]])
 
 
 def merge_splits(acc, m, l, sinks, num_groups: int):
@@ -101,7 +82,6 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
     ``[S, Hq, D]`` in q's dtype. Metadata outside the contract follows
     :mod:`kvjax.ragged_batch` (seq_lens clipped to the capacity, block ids to [0, B)).
   """
-  _check_args(q, cache, spec, seq_lens, block_table, sliding_window, soft_cap, sinks)
   config = default_config(spec.itemsize) if config is None else config
   s, hq, d = q.shape
   h = spec.num_kv_heads
@@ -119,7 +99,7 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   res = decode_call(
       q.reshape(s, h, g, d), seq_of_row, jnp.asarray(seq_lens, jnp.int32),
       jnp.asarray(block_table, jnp.int32),
-      _tensor_scales(spec, k_scale, v_scale, None if static_scale is not None else scale),
+      _kernel_scales(tf, k_scale, v_scale, None if static_scale is not None else scale),
       sink_hg, cache.reshape(num_blocks, tf.page_elems), tf=tf, config=config,
       num_splits=splits,
       scale=static_scale, window=None if sliding_window is None else int(sliding_window),

@@ -1,4 +1,5 @@
-"""The Pallas (Triton lowering) paged decode kernel over the packed cache.
+"""The Triton paged decode kernel over the packed cache (format-blind: per-format tile loads
+and dequantization are the hooks of :mod:`pallas_kernels.triton.formats`).
 
 One program per (sequence, KV head, split). A program walks its share of the
 sequence's visible tokens in steps of T tokens (several pages): per step it
@@ -9,7 +10,7 @@ step, so every cache line fetched is used), scores the padded query group
 dot, updates an online softmax and accumulates ``p @ V``. With one split it
 normalizes in the kernel (sinks included) and writes the output directly; with
 several it writes unnormalized partials (acc, running max m, sum l) that
-``decode_attention.merge_splits`` combines (with the sinks) in XLA.
+:func:`pallas_kernels.triton.decode.merge_splits` combines (with the sinks) in XLA.
 """
 from __future__ import annotations
 
@@ -21,19 +22,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode_config import DecodeConfig
-from pallas_kernels.decode_formats import TileFormat
+from kvjax import ragged_batch as RB
+from pallas_kernels.common import next_pow2
+from pallas_kernels.triton.decode_config import DecodeConfig
+from pallas_kernels.triton.formats import TileFormat
 
 #: Finite "minus infinity" for masked scores (avoids inf - inf = NaN).
 NEG = -1e30
-
-
-def _part_cols(tf: TileFormat, j: int):
-  """Head-dim columns of q / output that part j holds, and which of them are real."""
-  i = jnp.arange(tf.part_width, dtype=jnp.int32)
-  if tf.split:
-    return 2 * i + j, i < tf.head_size // 2
-  return i, i < tf.head_size
 
 
 def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *out_refs,
@@ -63,7 +58,7 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
   grow = jnp.arange(gp, dtype=jnp.int32)
   rows = grow < num_groups
   rows_c = jnp.minimum(grow, num_groups - 1)
-  part_cols = [_part_cols(tf, j) for j in range(tf.num_parts)]
+  part_cols = [tf.part_cols(j) for j in range(tf.num_parts)]
   q_parts = []
   for cols, cmask in part_cols:
     cols_c = jnp.minimum(cols, tf.head_size - 1)
@@ -85,7 +80,7 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
     valid = valid & in_range
     bidx = jnp.minimum(tok // n, max_blocks - 1)
     blk = pltriton.load(bt_ref.at[(seq_c, bidx)])
-    blk = jnp.clip(blk, 0, num_blocks - 1)
+    blk = RB.clamp_blocks(blk, num_blocks)                  # kvjax.ragged_batch rule 4
     return tf.load_kv(cache_ref, blk, tok % n, h, valid)
 
   def update(i, tiles, m, l, accs):
@@ -165,7 +160,7 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
     first G rows of the Gp axis are written.
   """
   num_seqs, num_heads, num_groups, head_size = q.shape
-  gp = max(16, 1 << max(0, num_groups - 1).bit_length())
+  gp = max(16, next_pow2(num_groups))
   qw = tf.num_parts * tf.part_width
   kernel = functools.partial(
       _decode_kernel, tf=tf, step_tokens=config.step_tokens(tf.block_size),

@@ -11,12 +11,13 @@ tensor cores (16-bit operands; float32 when q is float32). Key tiles fully
 visible to every row of the query tile run without masks; only the tiles that
 cross the causal diagonal, the window edge or the sequence end are masked.
 
-The cache is read in place: the physical array is viewed as rows
-``[B*N*H, C]`` (NHD) or ``[B*H*N, C]`` (HND), a free reshape, and each key
-tile loads the K half and the V half of the same rows back to back (spec §8).
-Quantized caches are dequantized in registers: fp8 scales fold into the score scale /
-the output; per-token-head scales come from the row's 4 scale bytes, per key column.
-int4 / nvfp4 tiles come from the decode kernel's TileFormat (:class:`_SplitTiles`).
+The cache is read in place: for row formats the physical array is viewed as rows
+``[B*N*H, C]`` (NHD) or ``[B*H*N, C]`` (HND), a free reshape, and each key tile loads the K
+half and the V half of the same rows back to back (:class:`_RowTiles`); fp8 scales fold into
+the score scale / the output, per-token-head scales come from the row's 4 scale bytes, per
+key column. Formats whose kernels keep even and odd head dims apart (int4, nvfp4) load
+through their tile hooks over pages ``[B, page_elems]`` (:class:`_PageTiles`). Which
+applies, and the per-format math, are the format's hooks (:mod:`pallas_kernels.triton.formats`).
 """
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kvjax import formats as F
+from kvjax import ragged_batch as RB
+from pallas_kernels.common import f32_from_bytes
+from pallas_kernels.triton.formats import TileFormat
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30   # running max before any key: finite, so exp2(m_old - m_new) is never NaN
@@ -60,16 +62,9 @@ class TileConfig:
 @dataclasses.dataclass(frozen=True)
 class KernelStatics:
   """Everything static the kernel body needs."""
-  kind: str                  # cache format kind
-  quant: object              # format's quant dtype (per-token-head), else None
-  head_size: int             # D
+  fmt: TileFormat            # the cache format's hooks (geometry, compute dtype)
   head_pad: int              # power of two >= D
-  data_dim: int              # storage elements of data per side row
-  v_offset: int              # column of V's first data element (D or padded_hs)
-  num_kv_heads: int          # H
   group: int                 # G = Hq / H
-  block_size: int            # N
-  layout: str
   num_blocks: int            # B
   max_blocks: int            # block_table.shape[1]
   num_tiles: int             # static grid size along query tiles
@@ -81,15 +76,26 @@ class KernelStatics:
   soft_cap: Optional[float]
   has_sinks: bool
   scale: Optional[float]     # softmax scale; None = traced, read from k_scale_h[H]
-  compute_dtype: object      # dot operand dtype
   array_cols: bool = False   # index columns with arrays (interpret mode: no mixed slice+array)
 
+  @property
+  def head_size(self) -> int:
+    return self.fmt.head_size
 
-def _dot(a, b, contract):
+  @property
+  def num_kv_heads(self) -> int:
+    return self.fmt.num_heads
+
+  @property
+  def block_size(self) -> int:
+    return self.fmt.block_size
+
+
+def _dot(st: KernelStatics, a, b, contract):
   """float32-accumulated 2-D dot on the tensor cores: ``a [M, K]`` with b contracted on dim
-  ``contract[1]`` (1: ``a @ b.T``, 0: ``a @ b``)."""
+  ``contract[1]`` (1: ``a @ b.T``, 0: ``a @ b``), at the format's precision."""
   return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                         preferred_element_type=jnp.float32)
+                         precision=st.fmt.precision, preferred_element_type=jnp.float32)
 
 
 def _cols(st: KernelStatics, base: int, clamp: bool = True):
@@ -116,14 +122,14 @@ def _load_rows(ref, rows, st: KernelStatics, base: int, row_mask=None):
     if row_mask is not None:
       mask = row_mask[:, None] if mask is None else row_mask[:, None] & mask
   if mask is None:
-    return _to_compute(pltriton.load(ref.at[idx]), st)
+    return st.fmt.to_compute(pltriton.load(ref.at[idx]))
   mask = jnp.broadcast_to(mask, (rows.shape[0], st.head_pad))
   if jnp.dtype(ref.dtype).itemsize == 1 and jnp.issubdtype(ref.dtype, jnp.floating):
     # fp8 storage: the Triton lowering cannot cast an `other` constant to fp8, so zero the
     # masked lanes after converting (a select, so poison bits never propagate).
-    x = _to_compute(pltriton.load(ref.at[idx], mask=mask), st)
+    x = st.fmt.to_compute(pltriton.load(ref.at[idx], mask=mask))
     return jnp.where(mask, x, jnp.zeros((), x.dtype))
-  return _to_compute(pltriton.load(ref.at[idx], mask=mask, other=0), st)
+  return st.fmt.to_compute(pltriton.load(ref.at[idx], mask=mask, other=0))
 
 
 def _store_rows(ref, rows, val, st: KernelStatics, row_mask):
@@ -140,15 +146,10 @@ def _store_rows(ref, rows, val, st: KernelStatics, row_mask):
 
 def _row_scale(cache_ref, rows, col: int, row_mask):
   """float32 per-token-head scale from the 4 storage bytes at ``col..col+3`` of each row."""
-  bits = None
-  for i in range(4):
-    if row_mask is None:
-      b = pltriton.load(cache_ref.at[rows, col + i])
-    else:
-      b = pltriton.load(cache_ref.at[rows, col + i], mask=row_mask, other=0)
-    b = (b.astype(jnp.int32) & 0xFF) << (8 * i)
-    bits = b if bits is None else bits | b
-  return lax.bitcast_convert_type(bits, jnp.float32)
+  if row_mask is None:
+    return f32_from_bytes(lambda i: pltriton.load(cache_ref.at[rows, col + i]))
+  return f32_from_bytes(
+      lambda i: pltriton.load(cache_ref.at[rows, col + i], mask=row_mask, other=0))
 
 
 def _softmax_scale(st: KernelStatics, ks_ref):
@@ -156,19 +157,12 @@ def _softmax_scale(st: KernelStatics, ks_ref):
   return st.scale if st.scale is not None else ks_ref[st.num_kv_heads]
 
 
-def _to_compute(x, st: KernelStatics):
-  """Loaded q or stored K/V data -> dot operand dtype (dequantized up to its scale)."""
-  if x.dtype == np.uint8 and st.kind == F.PER_TOKEN_HEAD:
-    x = lax.bitcast_convert_type(x, st.quant)     # uint8 storage -> fp8
-  return x.astype(st.compute_dtype)
-
-
 class _RowTiles:
-  """K/V tiles as rows of the physical cache ``[R, C]``: plain, fp8 and int8/fp8 per-token-head
-  caches. K and V of a key are the two halves of one row, loaded back to back."""
+  """K/V tiles as rows of the physical cache ``[R, C]`` (row formats: plain, fp8, int8 / fp8
+  per token-head). K and V of a key are the two halves of one row, loaded back to back."""
 
   def __init__(self, st: KernelStatics, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref):
-    self.st, self.h = st, h
+    self.st, self.h, self.fmt = st, h, st.fmt
     self.q_ref, self.cache_ref, self.ks_ref, self.vs_ref, self.o_ref = (
         q_ref, cache_ref, ks_ref, vs_ref, o_ref)
 
@@ -176,7 +170,7 @@ class _RowTiles:
     """(q ``[rows, head_pad]``, score scale in the exp2 domain)."""
     st = self.st
     qk_scale = _softmax_scale(st, self.ks_ref) * _LOG2E
-    if st.kind == F.FP8_PER_TENSOR:
+    if self.fmt.tensor_scaled:
       qk_scale = qk_scale * self.ks_ref[self.h]
     # q stays as loaded (a dot operand straight from memory); scaling q in registers first
     # measured slower on the H200 (245 vs 295 TFLOP/s at 128 x 32 tiles, register pressure).
@@ -187,105 +181,95 @@ class _RowTiles:
 
   def load_kv(self, blk, off, in_seq):
     st = self.st
-    if st.layout == "NHD":
-      rows = (blk * st.block_size + off) * st.num_kv_heads + self.h
-    else:
-      rows = (blk * st.num_kv_heads + self.h) * st.block_size + off
+    rows = self.fmt.addr.row(blk, off, self.h)
     k = _load_rows(self.cache_ref, rows, st, 0, in_seq)
-    v = _load_rows(self.cache_ref, rows, st, st.v_offset, in_seq)
+    v = _load_rows(self.cache_ref, rows, st, self.fmt.v_offset, in_seq)
     return rows, k, v
 
   def scores(self, q, tiles, qk_scale, in_seq):
     st = self.st
     rows, k, _ = tiles
-    s = _dot(q, k, (1, 1)) * qk_scale   # [rows, bk] float32: scale * q.k * log2(e)
-    if st.kind == F.PER_TOKEN_HEAD:
-      s = s * _row_scale(self.cache_ref, rows, st.data_dim, in_seq)[None, :]
+    s = _dot(st, q, k, (1, 1)) * qk_scale   # [rows, bk] float32: scale * q.k * log2(e)
+    if self.fmt.row_scaled:
+      s = s * _row_scale(self.cache_ref, rows, self.fmt.data_dim, in_seq)[None, :]
     return s
 
   def accumulate(self, q, acc, alpha, p, tiles, in_seq):
     st = self.st
     rows, _, v = tiles
-    if st.kind == F.PER_TOKEN_HEAD:
-      p = p * _row_scale(self.cache_ref, rows, st.v_offset + st.data_dim, in_seq)[None, :]
-    return acc * alpha[:, None] + _dot(p.astype(st.compute_dtype), v, (1, 0))
+    fmt = self.fmt
+    if fmt.row_scaled:
+      p = p * _row_scale(self.cache_ref, rows, fmt.v_offset + fmt.data_dim, in_seq)[None, :]
+    return acc * alpha[:, None] + _dot(st, p.astype(fmt.compute_dtype), v, (1, 0))
 
   def store(self, acc, l, q_rows, row_ok):
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    if self.st.kind == F.FP8_PER_TENSOR:
+    if self.fmt.tensor_scaled:
       out = out * self.vs_ref[self.h]
     _store_rows(self.o_ref, q_rows, out.astype(self.o_ref.dtype), self.st, row_ok)
 
 
-class _SplitTiles:
-  """K/V tiles of int4 per-token-head and nvfp4 caches through the decode kernel's
-  :class:`~pallas_kernels.decode_formats.TileFormat`, over the cache viewed as pages
-  ``[B, page_elems]``: even and odd head dims are kept apart (q read as two parts, fp4 /
-  int4 unpacked in registers, nvfp4 global k/v scales applied there), and the two output
-  parts are stored interleaved back into ``[T*Hq, D]``."""
+class _PageTiles:
+  """K/V tiles through the format's tile hooks over the cache viewed as pages
+  ``[B, page_elems]`` (int4 per token-head, nvfp4): even and odd head dims are kept apart
+  (q read as two parts, values unpacked in registers, global k/v scales applied there), and
+  the two output parts are stored interleaved back into ``[T*Hq, D]``."""
 
-  def __init__(self, st: KernelStatics, tf, h, q_ref, pages_ref, ks_ref, vs_ref, o_ref):
-    self.st, self.tf, self.h = st, tf, h
+  def __init__(self, st: KernelStatics, h, q_ref, pages_ref, ks_ref, vs_ref, o_ref):
+    self.st, self.fmt, self.h = st, st.fmt, h
     self.q_ref, self.pages_ref, self.ks_ref, self.vs_ref, self.o_ref = (
         q_ref, pages_ref, ks_ref, vs_ref, o_ref)
 
-  def _cols(self, part: int):
-    """Head-dim columns of accumulator part ``part`` (even / odd dims) and which are real."""
-    i = jnp.arange(self.tf.part_width, dtype=jnp.int32)
-    return 2 * i + part, i < self.tf.head_size // 2
-
   def _idx(self, q_rows, cols):
-    shape = (self.st.rows, self.tf.part_width)
+    shape = (self.st.rows, self.fmt.part_width)
     return (jnp.broadcast_to(q_rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape))
 
   def load_q(self, q_rows, row_ok):
     """((q parts, per-row q sums for int4 zero points, k scale, v scale), score scale)."""
-    tf = self.tf
+    fmt = self.fmt
     q_parts = []
-    for part in range(tf.num_parts):
-      cols, cmask = self._cols(part)
+    for part in range(fmt.num_parts):
+      cols, cmask = fmt.part_cols(part)
       idx = self._idx(q_rows, jnp.minimum(cols, self.st.head_size - 1))
       qp = pltriton.load(self.q_ref.at[idx], mask=row_ok[:, None] & cmask[None, :], other=0.0)
-      q_parts.append(qp.astype(tf.compute_dtype))
+      q_parts.append(qp.astype(fmt.compute_dtype))
     qsum = sum(jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q_parts)
     state = (q_parts, qsum, self.ks_ref[self.h], self.vs_ref[self.h])
     return state, _softmax_scale(self.st, self.ks_ref) * _LOG2E
 
   def init_acc(self):
-    return tuple(jnp.zeros((self.st.rows, self.tf.part_width), jnp.float32)
-                 for _ in range(self.tf.num_parts))
+    return tuple(jnp.zeros((self.st.rows, self.fmt.part_width), jnp.float32)
+                 for _ in range(self.fmt.num_parts))
 
   def load_kv(self, blk, off, in_seq):
     valid = jnp.ones((self.st.block_kv,), jnp.bool_) if in_seq is None else in_seq
-    return self.tf.load_kv(self.pages_ref, blk, off, self.h, valid)
+    return self.fmt.load_kv(self.pages_ref, blk, off, self.h, valid)
 
   def scores(self, state, tiles, qk_scale, in_seq):
     q_parts, qsum, k_scale, _ = state
-    return self.tf.scores(q_parts, qsum, tiles, k_scale) * qk_scale
+    return self.fmt.scores(q_parts, qsum, tiles, k_scale) * qk_scale
 
   def accumulate(self, state, acc, alpha, p, tiles, in_seq):
-    parts = self.tf.values(p, tiles, state[3])
+    parts = self.fmt.values(p, tiles, state[3])
     return tuple(a * alpha[:, None] + o for a, o in zip(acc, parts))
 
   def store(self, acc, l, q_rows, row_ok):
     inv = 1.0 / jnp.where(l > 0, l, 1.0)
     for part, a in enumerate(acc):
-      cols, cmask = self._cols(part)
+      cols, cmask = self.fmt.part_cols(part)
       pltriton.store(self.o_ref.at[self._idx(q_rows, cols)],
                      (a * inv[:, None]).astype(self.o_ref.dtype),
                      mask=row_ok[:, None] & cmask[None, :])
 
 
 def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cache_ref, ks_ref,
-            vs_ref, sink_ref, _o_init_ref, o_ref, *, st: KernelStatics, tf=None):
-  """One (KV head, query tile) program; ``tf`` (a TileFormat) selects :class:`_SplitTiles`
-  for int4 / nvfp4 caches (``cache_ref`` then holds pages), else :class:`_RowTiles`."""
+            vs_ref, sink_ref, _o_init_ref, o_ref, *, st: KernelStatics):
+  """One (KV head, query tile) program: :class:`_RowTiles` for formats read as rows
+  (``cache_ref`` holds rows), else :class:`_PageTiles` (``cache_ref`` holds pages)."""
   h = pl.program_id(0)
   tile = st.num_tiles - 1 - pl.program_id(1)      # last tiles (most keys) launch first
-  if tf is None:
-    tiles_of = _RowTiles(st, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref)
-  else:
-    tiles_of = _SplitTiles(st, tf, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref)
+  tiles_cls = _RowTiles if st.fmt.row_table else _PageTiles
+  tiles_of = tiles_cls(st, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref)
   g_count, bq, bk = st.group, st.bq, st.block_kv
   seq = tile_seq_ref[tile]
   q0 = tile_q0_ref[tile]
@@ -337,7 +321,7 @@ def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cac
       blk = pltriton.load(bt_ref.at[bt_idx], mask=in_seq, other=0)
     else:
       blk = pltriton.load(bt_ref.at[bt_idx])
-    blk = jnp.clip(blk, 0, st.num_blocks - 1)
+    blk = RB.clamp_blocks(blk, st.num_blocks)                  # kvjax.ragged_batch rule 4
     tiles = tiles_of.load_kv(blk, off, in_seq)
     s = tiles_of.scores(q, tiles, qk_scale, in_seq)
     if st.soft_cap is not None:     # c * tanh(x / c) on x = s / log2(e), back to log2 domain
@@ -372,15 +356,15 @@ def _step_wrap(step, masked, j, carry):
 
 
 def ragged_attention_call(q2d, cache2d, meta, k_scale_h, v_scale_h, sinks, out_init, *,
-                          st: KernelStatics, cfg: TileConfig, interpret: bool, tf=None):
+                          st: KernelStatics, cfg: TileConfig, interpret: bool):
   """Launch the kernel. ``meta`` = (tile_seq, tile_q0, query_start_loc, seq_lens, block_table_flat).
 
-  q2d: ``[T*Hq, D]``; cache2d: the physical cache as rows ``[R, C]`` (with ``tf``, an int4 /
-  nvfp4 TileFormat: as pages ``[B, page_elems]``); k/v_scale_h: float32 ``[H]`` (fp8 / nvfp4
-  global scales); sinks: float32 ``[Hq]``; out_init: zeros ``[T*Hq, D]`` in q's dtype
+  q2d: ``[T*Hq, D]``; cache2d: the physical cache as rows ``[R, C]`` (``st.fmt.row_table``)
+  or as pages ``[B, page_elems]``; k/v_scale_h: float32 ``[H]`` (fp8 / nvfp4 global scales;
+  k with the softmax scale appended when it is traced); sinks: float32 ``[Hq]``; out_init: zeros ``[T*Hq, D]`` in q's dtype
   (aliased to the output, so rows no tile covers -- padding -- stay 0). Returns ``[T*Hq, D]``.
   """
-  kernel = functools.partial(_kernel, st=st, tf=tf)
+  kernel = functools.partial(_kernel, st=st)
   args = (*meta, q2d, cache2d, k_scale_h, v_scale_h, sinks, out_init)
   params = None if interpret else pltriton.CompilerParams(num_warps=cfg.num_warps,
                                                           num_stages=cfg.num_stages)
@@ -391,5 +375,5 @@ def ragged_attention_call(q2d, cache2d, meta, k_scale_h, v_scale_h, sinks, out_i
       input_output_aliases={len(args) - 1: 0},
       compiler_params=params,
       interpret=interpret,
-      name="kvjax_ragged_paged_attention" + ("" if tf is None else "_split"),
+      name="kvjax_ragged_paged_attention" + ("" if st.fmt.row_table else "_split"),
   )(*args)

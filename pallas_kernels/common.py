@@ -1,0 +1,40 @@
+"""Helpers every kernel backend shares: sizes, and float32 <-> bytes without a bitcast.
+
+Number-format formulas (rounding, e2m1, int4 nibbles and scales, the nvfp4 V-scale swizzle)
+are in :mod:`kvjax.quant`, shared with the reference; row addresses in
+:class:`kvjax.codecs.RowAddress`. What is here lowers in the Pallas Triton lowering and in
+interpret mode alike: integer shifts, equal-width bitcasts, selects.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_U32 = jnp.uint32
+
+
+def cdiv(a: int, b: int) -> int:
+  """``ceil(a / b)`` for Python ints."""
+  return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+  """Smallest power of two >= n (and 1 for n <= 1): Triton blocks need power-of-2 sizes."""
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def f32_to_bytes(x):
+  """float32 ``[...]`` -> uint8 ``[..., 4]`` (little endian, as ``bitcast_convert_type``)."""
+  bits = jax.lax.bitcast_convert_type(x, _U32)
+  shifts = jnp.arange(4, dtype=_U32) * _U32(8)
+  return ((bits[..., None] >> shifts) & _U32(0xFF)).astype(jnp.uint8)
+
+
+def f32_from_bytes(load_byte):
+  """The float32 held little-endian in 4 one-byte elements; ``load_byte(i)`` loads byte ``i``
+  (any integer dtype, any shape) and the result has its shape."""
+  bits = None
+  for i in range(4):
+    b = (load_byte(i).astype(jnp.int32) & 0xFF) << (8 * i)
+    bits = b if bits is None else bits | b
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)

@@ -1,0 +1,438 @@
+"""The Triton kernels' per-format hooks: tile loads, dequantization and quantize-on-write.
+
+Each codec names its hook class here (``Codec.triton``): :class:`RowFormat` for every format
+whose (token, head) rows hold ``[K data | K scale | V data | V scale]`` (plain, fp8 per
+tensor, int8 / fp8 per token-head, and any new row format described by its codec's facts),
+:class:`Int4Format` and :class:`Nvfp4Format` for the packed formats whose kernels keep even
+and odd head dims apart. The kernels (decode, ragged, write, dequantize) are format-blind:
+they call these hooks.
+
+The kernels see the cache as flat pages ``[B, page_elems]`` (a free reshape of the physical
+array; the ragged kernel's row formats as rows ``[B*N*H, C]``). Row addresses come from
+:class:`kvjax.codecs.RowAddress`, number formats from :mod:`kvjax.quant`.
+
+A hook object is static (frozen, hashable). Its in-kernel methods:
+
+- ``load_kv(pages_ref, blk, tok, head, valid)`` -> the raw K/V tiles of ``T`` keys;
+- ``scores(q_parts, qsum, tiles, k_scale)`` -> float32 ``[Gp, T]`` of ``q . k``;
+- ``values(p, tiles, v_scale)`` -> float32 accumulator parts of ``p @ v``;
+- ``dequant(tiles, k_scale, v_scale)`` -> float32 (K parts, V parts) ``[T, part_width]``;
+- ``write_tokens(p, io, slot, head, valid)`` -> stores the rows of a program's tokens.
+
+Split formats (``split``) handle q, accumulators and dequantized parts as (even head dims,
+odd head dims); the kernels interleave them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas import triton as pltriton
+
+from kvjax import quant
+from kvjax.codecs import Codec, RowAddress
+from kvjax.codecs.nvfp4 import SideLayout
+from pallas_kernels.common import f32_from_bytes, f32_to_bytes, next_pow2
+from pallas_kernels.triton.ieee import Divider
+
+_HIGHEST = lax.Precision.HIGHEST
+_I32 = jnp.int32
+_SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def hooks_class(codec: Codec):
+  """The hook class a codec names, or None when it has no Triton hooks."""
+  if codec.triton is None:
+    return None
+  module, _, name = codec.triton.partition(":")
+  return getattr(importlib.import_module(module), name)
+
+
+def hooks_reason(spec):
+  """Registry supports-hook: None when the Triton kernels can run ``spec``'s format."""
+  if hooks_class(spec.codec) is None:
+    return f"cache_dtype={spec.cache_dtype!r} has no Triton hooks (its codec's triton is None)"
+  return None
+
+
+def compute_dtype(codec: Codec, storage, q_dtype) -> np.dtype:
+  """Dot operand dtype, one rule for every kernel: q's dtype when it is 16-bit and every
+  dequantized cache value (before scales) is exact in it, else float32.
+
+  Quantized values (fp8, int8, int4 codes, e2m1 x e4m3) are exact in bfloat16 and float16;
+  an unquantized cache only in its own dtype (a float32 or float16 cache read with bfloat16
+  queries computes in float32).
+  """
+  q_dtype = np.dtype(q_dtype)
+  if q_dtype in _SIXTEEN_BIT and (codec.is_quantized or np.dtype(storage) == q_dtype):
+    return q_dtype
+  return np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileFormat:
+  """Static geometry of one cache format for the Triton kernels (base of the hook classes).
+
+  Attributes:
+    codec: the format's codec.
+    storage: the cache array's dtype.
+    num_heads, block_size, head_size: H, N, D.
+    addr: the rows of a page (content rows; nvfp4: one side's data rows).
+    v_offset: element offset of V's data from K's data in a (token, head) row.
+    data_dim: stored elements of data per side row (D, or D/2).
+    data_pad: data_dim padded to a power of two (>= 16).
+    page_elems: elements of one page.
+    compute_dtype: dtype the dots run in (:func:`compute_dtype`).
+  """
+  codec: Codec
+  storage: np.dtype
+  num_heads: int
+  block_size: int
+  head_size: int
+  addr: RowAddress
+  v_offset: int
+  data_dim: int
+  data_pad: int
+  page_elems: int
+  compute_dtype: np.dtype
+
+  #: Even and odd head dims kept apart (q, accumulators and outputs in two parts).
+  split: ClassVar[bool] = False
+  #: The ragged kernel may read this format as rows ``[B*N*H, C]`` (row tiles).
+  row_table: ClassVar[bool] = False
+
+  @staticmethod
+  def of(spec, q_dtype=None) -> "TileFormat":
+    """The hooks of ``spec``'s format for queries of ``q_dtype`` (None: float32 dots)."""
+    cls = hooks_class(spec.codec)
+    if cls is None:
+      raise ValueError(f"cache_dtype={spec.cache_dtype!r} has no Triton hooks")
+    cdt = compute_dtype(spec.codec, spec.storage_dtype,
+                        np.float32 if q_dtype is None else q_dtype)
+    return cls(codec=spec.codec, storage=spec.storage_dtype, num_heads=spec.num_kv_heads,
+               block_size=spec.block_size, head_size=spec.head_size,
+               addr=cls.address(spec), v_offset=spec.padded_head_size,
+               data_dim=spec.data_dim, data_pad=max(16, next_pow2(spec.data_dim)),
+               page_elems=int(np.prod(spec.physical_shape(1)[1:])), compute_dtype=cdt)
+
+  @staticmethod
+  def address(spec) -> RowAddress:
+    return RowAddress.of(spec)
+
+  # -- static facts -------------------------------------------------------------------------
+  @property
+  def num_parts(self) -> int:
+    return 2 if self.split else 1
+
+  @property
+  def part_width(self) -> int:
+    """Width of one q / accumulator part: data_pad (split halves are D/2 wide)."""
+    return self.data_pad
+
+  @property
+  def precision(self):
+    """Dot precision, with :func:`compute_dtype` the one rule: float32 dots run at HIGHEST."""
+    return _HIGHEST if self.compute_dtype == np.dtype(np.float32) else None
+
+  def part_cols(self, part: int):
+    """Head-dim columns that part ``part`` holds (``[part_width]``) and which are real."""
+    i = jnp.arange(self.part_width, dtype=_I32)
+    if self.split:
+      return 2 * i + part, i < self.head_size // 2
+    return i, i < self.head_size
+
+  # -- in-kernel helpers --------------------------------------------------------------------
+  def dot(self, a, b, trans_b=False):
+    """float32 ``a @ b`` (``a @ b.T`` with trans_b) in the compute dtype.
+
+    lax.dot_general, not ``pl.dot``: that raises AttributeError on jax 0.11.2.
+    """
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a.astype(self.compute_dtype), b.astype(self.compute_dtype), dims,
+                           precision=self.precision, preferred_element_type=jnp.float32)
+
+  def _cols(self):
+    cols = jnp.arange(self.data_pad, dtype=_I32)
+    return cols, cols < self.data_dim
+
+  @staticmethod
+  def gather(ref, blk, offs, mask, other=0):
+    """ref[blk[t], offs[t, x]] for ``blk [T]``, ``offs [T, X]`` -> ``[T, X]`` (masked)."""
+    idx = (jnp.broadcast_to(blk[:, None], offs.shape), offs)
+    if jnp.issubdtype(ref.dtype, jnp.floating):
+      other = float(other)  # Triton casts float fills to fp8, not int ones
+    return pltriton.load(ref.at[idx], mask=mask, other=other)
+
+  @staticmethod
+  def gather_f32(ref, blk, offs, mask):
+    """The float32 held little-endian in 4 one-byte elements at ``offs [T]`` -> ``[T]``."""
+    return f32_from_bytes(lambda i: pltriton.load(ref.at[(blk, offs + i)], mask=mask, other=0))
+
+  # -- write ----------------------------------------------------------------------------------
+  #: Write kernel defaults measured on the H200 (8192 tokens, H=8, D=128):
+  #: (tokens per program, contiguous pair loads).
+  write_defaults: ClassVar[tuple] = (1, True)
+
+  def tensor_scales(self, k_scale, v_scale):
+    """float32 ``[2, H]``: the K and V global scale of each head (ones when the format has
+    none: vLLM passes scales to every backend)."""
+    used = self.codec.has_tensor_scales
+    return jnp.stack([quant.per_head_scales(s if used else None, self.num_heads)
+                      for s in (k_scale, v_scale)])
+
+  def write_scales(self, k_scale, v_scale):
+    """float32 ``[2H]``: :meth:`tensor_scales` as the write kernel reads them."""
+    return self.tensor_scales(k_scale, v_scale).reshape(-1)
+
+  def write_table(self, num_blocks: int):
+    """(rows, elements a row) of the table the write kernel stores into."""
+    return num_blocks * self.block_size * self.num_heads, self.addr.row_elems
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFormat(TileFormat):
+  """Row formats: plain, fp8 per tensor, int8 / fp8 per token-head (the codec's facts say
+  which scales apply: ``has_tensor_scales`` multiplies scores by k_scale and outputs by
+  v_scale; ``has_row_scales`` reads a float32 after each side's data)."""
+  row_table: ClassVar[bool] = True
+
+  @property
+  def tensor_scaled(self) -> bool:
+    return self.codec.has_tensor_scales
+
+  @property
+  def row_scaled(self) -> bool:
+    return self.codec.has_row_scales
+
+  @property
+  def write_defaults(self):
+    # plain / fp8 rows: 8 tokens a program; quantize-heavy formats 1 token, pair loads
+    return (1, True) if self.row_scaled else (8, False)
+
+  def to_compute(self, x):
+    """Stored data tile -> compute dtype (up to its scale): fp8 stored as bytes is read as
+    its fp8 type first."""
+    if x.dtype == np.dtype(np.uint8) and self.codec.quant is not None:
+      x = quant.from_bits(x, self.codec.quant)
+    return x.astype(self.compute_dtype)
+
+  def load_kv(self, pages_ref, blk, tok, head, valid):
+    cols, cmask = self._cols()
+    mask = valid[:, None] & cmask[None, :]
+    base = self.addr.offset(tok, head)
+    k = self.gather(pages_ref, blk, base[:, None] + cols[None, :], mask)
+    v = self.gather(pages_ref, blk, base[:, None] + (cols + self.v_offset)[None, :], mask)
+    if not self.row_scaled:
+      return (k, v)
+    ks = self.gather_f32(pages_ref, blk, base + self.data_dim, valid)
+    vs = self.gather_f32(pages_ref, blk, base + self.v_offset + self.data_dim, valid)
+    return (k, v, ks, vs)
+
+  def scores(self, q_parts, qsum, tiles, k_scale):
+    s = self.dot(q_parts[0], self.to_compute(tiles[0]), trans_b=True)
+    if self.row_scaled:
+      return s * tiles[2][None, :]
+    return s * k_scale if self.tensor_scaled else s
+
+  def values(self, p, tiles, v_scale):
+    if self.row_scaled:
+      return (self.dot(p * tiles[3][None, :], self.to_compute(tiles[1])),)
+    o = self.dot(p, self.to_compute(tiles[1]))
+    return (o * v_scale if self.tensor_scaled else o,)
+
+  def dequant(self, tiles, k_scale, v_scale):
+    out = []
+    for j, s in ((0, k_scale), (1, v_scale)):
+      x = tiles[j]
+      if x.dtype == np.dtype(np.uint8) and self.codec.quant is not None:
+        x = quant.from_bits(x, self.codec.quant)
+      x = x.astype(jnp.float32)
+      if self.row_scaled:
+        x = x * tiles[2 + j][:, None]
+      elif self.tensor_scaled:
+        x = x * s
+      out.append((x,))
+    return tuple(out)
+
+  # -- write: one (token, head) row per kernel row --------------------------------------------
+  def encode_side(self, p, div: Divider, io, side: int, head):
+    """Quantize one side of the kernel's rows -> [(column offset, cols, mask, values)]."""
+    d = self.head_size
+    col, col_ld, cmask = io.cols(next_pow2(d), d)
+    if not (self.tensor_scaled or self.row_scaled):
+      return [(0, col, cmask, io.rows(side, col_ld, self.storage))]
+    x = io.rows(side, col_ld)
+    if self.tensor_scaled:
+      m = quant.finite_max(self.storage)
+      y = jnp.clip(x * div.recip(io.tensor_scale(side, head))[:, None], -m, m)
+      return [(0, col, cmask, y.astype(self.storage))]
+    scale = quant.row_scale(jnp.max(jnp.abs(x), axis=1), self.codec.qmax)
+    data = quant.quantize_scaled(x * div.recip(scale)[:, None], self.codec.quant, self.codec.qmax)
+    sbytes = quant.from_bits(f32_to_bytes(scale), self.storage)
+    return [(0, col, cmask, quant.from_bits(data, self.storage)),
+            (self.data_dim, jnp.arange(4, dtype=_I32), None, sbytes)]
+
+  def write_tokens(self, p, io, slot, head, valid):
+    """Store the kernel rows' encoded (token, head) rows ``[K | V]`` at their slots."""
+    div = Divider(p.compiled)
+    row = jnp.where(valid, self.addr.row_of_slot(slot, head), p.num_rows)  # OOB when skipped
+    for side in range(2):
+      base = side * self.v_offset
+      for off, col, cmask, val in self.encode_side(p, div, io, side, head):
+        io.store_rows(row, base + off + col, val.astype(self.storage), valid, cmask)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Format(RowFormat):
+  """int4 per token-head: packed nibbles (low = even element) and a float32 scale carrying
+  the zero point in its low 4 bits."""
+  split: ClassVar[bool] = True
+  row_table: ClassVar[bool] = False
+  write_defaults: ClassVar[tuple] = (1, True)
+
+  @staticmethod
+  def _codes(x):
+    """uint8 tile -> (low, high) nibbles as float32 codes."""
+    lo, hi = quant.nibbles(x)
+    return lo.astype(jnp.float32), hi.astype(jnp.float32)
+
+  def scores(self, q_parts, qsum, tiles, k_scale):
+    k, _, ks, _ = tiles
+    scale, zp = quant.int4_unpack_scale(ks)
+    lo, hi = self._codes(k)
+    s = self.dot(q_parts[0], lo, trans_b=True) + self.dot(q_parts[1], hi, trans_b=True)
+    return (s - qsum[:, None] * zp[None, :]) * scale[None, :]
+
+  def values(self, p, tiles, v_scale):
+    _, v, _, vs = tiles
+    scale, zp = quant.int4_unpack_scale(vs)
+    w = (p * scale[None, :]).astype(self.compute_dtype).astype(jnp.float32)
+    corr = jnp.sum(w * zp[None, :], axis=1)[:, None]
+    lo, hi = self._codes(v)
+    return (self.dot(w, lo) - corr, self.dot(w, hi) - corr)
+
+  def dequant(self, tiles, k_scale, v_scale):
+    out = []
+    for x, stored in ((tiles[0], tiles[2]), (tiles[1], tiles[3])):
+      scale, zp = quant.int4_unpack_scale(stored)
+      out.append(tuple((c - zp[:, None]) * scale[:, None] for c in self._codes(x)))
+    return tuple(out)
+
+  def encode_side(self, p, div: Divider, io, side: int, head):
+    dh = self.data_dim                          # D/2 packed bytes
+    dhp = next_pow2(dh)
+    jcol, _, jmask = io.cols(dhp, dh)
+    xe, xo = io.pairs(side, dhp, self.head_size)
+    lo = jnp.minimum(jnp.min(xe, axis=1), jnp.min(xo, axis=1))
+    hi = jnp.maximum(jnp.max(xe, axis=1), jnp.max(xo, axis=1))
+    scale = quant.int4_scale(lo, hi)
+    zp = jnp.clip(quant.round_half_even(div.div(-lo, scale)), 0.0, 15.0)
+    r = div.recip(scale)[:, None]
+
+    def q(v):   # x * (1/scale) + zp: the compiler may contract it into an fma, as XLA's may
+      return jnp.clip(quant.round_half_even(v * r + zp[:, None]), 0.0, 15.0).astype(jnp.uint8)
+
+    packed = q(xe) | (q(xo) << jnp.uint8(4))
+    sbytes = f32_to_bytes(quant.int4_pack_scale(scale, zp))
+    return [(0, jcol, jmask, packed), (dh, jnp.arange(4, dtype=_I32), None, sbytes)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Nvfp4Format(TileFormat):
+  """nvfp4 (HND): per page side ``[data (H, N, D/2) | scales (H, N, D/16)]``, K side first;
+  V scales 4x4-swizzled (:class:`kvjax.codecs.nvfp4.SideLayout`)."""
+  split: ClassVar[bool] = True
+  write_defaults: ClassVar[tuple] = (1, True)
+
+  @staticmethod
+  def address(spec) -> RowAddress:
+    return SideLayout.of(spec).data
+
+  @property
+  def side(self) -> SideLayout:
+    return SideLayout(self.addr, self.head_size // 16,
+                      quant.nvfp4_v_scales_swizzled(self.block_size, self.head_size // 16))
+
+  def load_kv(self, pages_ref, blk, tok, head, valid):
+    lay = self.side
+    cols, cmask = self._cols()
+    mask = valid[:, None] & cmask[None, :]
+    data = self.addr.offset(tok, head)                   # [T]
+    grp = (cols // 8)[None, :]                           # lo and hi nibbles of byte i: group i // 8
+    k_sc = lay.scale_offset(0, tok[:, None], head, grp)
+    v_sc = lay.side_elems + lay.scale_offset(1, tok[:, None], head, grp)
+    kd = self.gather(pages_ref, blk, data[:, None] + cols[None, :], mask)
+    vd = self.gather(pages_ref, blk, (lay.side_elems + data)[:, None] + cols[None, :], mask)
+    ksf = self.gather(pages_ref, blk, k_sc, mask)
+    vsf = self.gather(pages_ref, blk, v_sc, mask)
+    return (kd, vd, ksf, vsf)
+
+  @staticmethod
+  def _values(data, sf_bytes):
+    """(even, odd) float32 values of a data tile with its per-byte e4m3 scale bytes."""
+    sf = quant.from_bits(sf_bytes, jnp.float8_e4m3fn).astype(jnp.float32)
+    return tuple(quant.e2m1_decode(c) * sf for c in quant.nibbles(data))
+
+  def scores(self, q_parts, qsum, tiles, k_scale):
+    kd, _, ksf, _ = tiles
+    lo, hi = self._values(kd, ksf)
+    s = self.dot(q_parts[0], lo, trans_b=True) + self.dot(q_parts[1], hi, trans_b=True)
+    return s * k_scale
+
+  def values(self, p, tiles, v_scale):
+    _, vd, _, vsf = tiles
+    return tuple(self.dot(p, x) * v_scale for x in self._values(vd, vsf))
+
+  def dequant(self, tiles, k_scale, v_scale):
+    kd, vd, ksf, vsf = tiles
+    return (tuple(x * k_scale for x in self._values(kd, ksf)),
+            tuple(x * v_scale for x in self._values(vd, vsf)))
+
+  # -- write: rows of the table are page sides -----------------------------------------------
+  def write_scales(self, k_scale, v_scale):
+    """The kernel multiplies by ``gs = 1 / global scale``: the same op as the reference."""
+    return 1.0 / super().write_scales(k_scale, v_scale)
+
+  def write_table(self, num_blocks: int):
+    return 2 * num_blocks, self.side.side_elems
+
+  def write_tokens(self, p, io, slot, head, valid):
+    lay = self.side
+    n, s = self.block_size, lay.num_scales
+    sp = next_pow2(s)
+    rows = p.rows
+    blk, off = slot // n, slot % n
+    shape3 = (rows, sp, 8)
+    g = jnp.arange(sp, dtype=_I32)
+    k8 = jnp.arange(8, dtype=_I32)
+    smask = jnp.broadcast_to(valid[:, None], (rows, sp))
+    if sp != s:
+      smask = smask & jnp.broadcast_to((g < s)[None, :], (rows, sp))
+    dmask = jnp.broadcast_to(smask[:, :, None], shape3)
+    div = Divider(p.compiled)
+    data_row = self.addr.offset(off, head)            # (head, token) data row inside a side
+    for side in range(2):
+      out_row = jnp.where(valid, 2 * blk + side, p.num_rows)
+      gs = io.tensor_scale(side, head)                                        # (rows,)
+      xe, xo = (x.reshape(shape3) for x in io.pairs(side, sp * 8, self.head_size))
+      amax = jnp.maximum(jnp.max(jnp.abs(xe), axis=2), jnp.max(jnp.abs(xo), axis=2))
+      sf = quant.nvfp4_group_scale(amax, gs[:, None])
+      sf32 = sf.astype(jnp.float32)[:, :, None]
+      zero = sf32 == 0.0
+      r = div.recip(jnp.where(zero, 1.0, sf32))
+      gs3 = gs[:, None, None]
+
+      def code(v):
+        return quant.e2m1_encode(jnp.where(zero, 0.0, (v * gs3) * r))
+
+      packed = code(xe) | (code(xo) << jnp.uint8(4))
+      data_col = data_row[:, None, None] + g[None, :, None] * 8 + k8[None, None, :]
+      io.store(jnp.broadcast_to(out_row[:, None, None], shape3),
+               jnp.broadcast_to(data_col, shape3), packed, dmask)
+      scale_col = lay.scale_offset(side, off[:, None], head[:, None], g[None, :])
+      io.store(jnp.broadcast_to(out_row[:, None], (rows, sp)),
+               jnp.broadcast_to(scale_col, (rows, sp)), quant.to_bits(sf), smask)

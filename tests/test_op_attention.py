@@ -1,0 +1,199 @@
+"""The attention case suite: every case on every implementation of kvjax.unified_attention.
+
+Implementations come from ``kvjax.registry.ATTENTION`` (reference, the Triton kernels -- in
+interpret mode on CPU, compiled with KVJAX_TEST_COMPILED=1 on a GPU -- and the test-only toy
+backend); see op_suite.py. Each case is a ragged batch (prefills with and without a cached
+prefix, decodes, an empty sequence, padding tokens) or a decode batch (one query per
+sequence: the Triton decode kernel) on a poisoned cache, checked against a float64 numpy
+oracle with scale-aware bounds.
+"""
+import dataclasses
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from attention_cases import build_batch, numpy_attention
+from op_suite import implementations, known_gap, run_mode, toy_format  # noqa: F401 (fixture)
+from toy_format import TOY
+
+RAGGED = ((7, 1, 20, 0, 1, 12), (0, 40, 17, 5, 0, 33), 3)   # q lens, cached prefixes, pad
+DECODE = ((1, 1, 1, 1), (0, 70, 20, 44), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  cache_dtype: str
+  layout: str = "NHD"
+  q_dtype: object = jnp.bfloat16
+  group: int = 4
+  head_size: int = 64
+  block_size: int = 16
+  batch: Tuple = RAGGED
+  scales: Tuple = (None, None)      # k_scale, v_scale (scalar or [H])
+  window: Optional[int] = None
+  soft_cap: Optional[float] = None
+  sinks: bool = False
+  causal: bool = True
+  max_query_len: Optional[int] = None
+
+  @property
+  def id(self):
+    kind = "decode" if self.batch is DECODE else "ragged"
+    extra = "".join(f"-{k}" for k, v in (("win", self.window), ("cap", self.soft_cap),
+                                           ("sinks", self.sinks)) if v)
+    return (f"{self.cache_dtype}-{self.layout}-{np.dtype(self.q_dtype).name}-G{self.group}-"
+            f"D{self.head_size}-N{self.block_size}-{kind}{extra}")
+
+
+CASES = [
+    Case("auto", "NHD"),
+    Case("bfloat16", "HND", group=7, head_size=80, block_size=32, window=9),
+    Case("auto", "NHD", group=1, head_size=128, soft_cap=4.0, sinks=True, batch=DECODE,
+         max_query_len=1),
+    Case("auto", "HND", causal=False, window=30),
+    Case("float32", "NHD", q_dtype=jnp.float32, group=2, window=12, sinks=True,
+         max_query_len=20),
+    Case("float32", "HND", group=2, batch=DECODE, max_query_len=1),     # f32 cache, bf16 q
+    Case("float16", "HND", q_dtype=jnp.float16, group=2, head_size=128, max_query_len=64),
+    Case("fp8", "NHD", scales=(0.5, 2.0), batch=DECODE, max_query_len=1, window=25),
+    Case("fp8_e5m2", "HND", scales=((0.5, 0.25), (2.0, 1.0))),
+    Case("int8_per_token_head", "NHD", head_size=80, window=20, soft_cap=5.0),
+    Case("fp8_per_token_head", "HND", group=7, batch=DECODE, max_query_len=1, sinks=True),
+    Case("int4_per_token_head", "NHD", group=5, head_size=96, block_size=32, max_query_len=32),
+    Case("int4_per_token_head", "HND", batch=DECODE, max_query_len=1, sinks=True),
+    Case("nvfp4", "HND", group=2, scales=(0.5, 2.0), sinks=True),
+    Case("nvfp4", "HND", group=1, head_size=32, scales=(1.5, 0.75), batch=DECODE,
+         max_query_len=1),                               # S = 2: V scales stored linearly
+    Case(TOY.name, "NHD", scales=(0.5, 2.0)),
+    Case(TOY.name, "HND", scales=(0.25, 4.0), batch=DECODE, max_query_len=1),
+]
+
+
+def _tolerance(q_dtype, spec):
+  if np.dtype(q_dtype) == np.float32 and spec.storage_dtype == np.float32:
+    return 2e-5
+  return 4e-3 if np.dtype(q_dtype) == np.float16 else 2e-2
+
+
+def _assert_close(out, want, tol):
+  """|out - want| <= tol * (|want| + max |want|): relative to the data's magnitude."""
+  err = np.abs(out - want)
+  bound = tol * (np.abs(want) + np.abs(want).max())
+  assert np.all(err <= bound), f"max err {err.max():.3e}, bound at worst {bound.min():.3e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("impl", implementations("attention"))
+def test_attention_matches_float64_oracle(rng, impl, case, request):
+  if case.cache_dtype == TOY.name:
+    request.getfixturevalue("toy_format")
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=case.head_size, block_size=case.block_size,
+                           cache_dtype=case.cache_dtype, layout=case.layout)
+  interpret = run_mode("attention", impl, spec, case.q_dtype)
+  ks, vs = (None if s is None else jnp.asarray(s, jnp.float32) for s in case.scales)
+  q_lens, prefix, pad = case.batch
+  hq = 2 * case.group
+  q, cache, meta, kk, vv = build_batch(rng, spec, q_lens, prefix, hq, pad, ks, vs, case.q_dtype)
+  sinks = (jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32) if case.sinks else None)
+  scale = case.head_size ** -0.5
+  kw = dict(scale=scale, causal=case.causal, sliding_window=case.window,
+            soft_cap=case.soft_cap, max_query_len=case.max_query_len, impl=impl,
+            interpret=interpret)
+
+  @jax.jit
+  def run(q, cache, meta, sinks, ks, vs):
+    return kvjax.unified_attention(q, cache, spec, sinks=sinks, k_scale=ks, v_scale=vs, **meta,
+                                   **kw)
+
+  out = run(q, cache, meta, sinks, ks, vs)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  out = np.asarray(out, np.float32)
+  want = numpy_attention(q, meta, kk, vv, scale=scale, causal=case.causal, window=case.window,
+                         soft_cap=case.soft_cap, sinks=None if sinks is None else np.asarray(sinks))
+  assert np.isfinite(out).all(), "output holds NaN/inf: a poisoned byte was read"
+  _assert_close(out, want, _tolerance(case.q_dtype, spec))
+  real = int(meta["query_start_loc"][-1])
+  assert not out[real:].any(), "padding tokens must output exactly 0"
+
+
+# -- metadata outside the contract, traced under jit: kvjax.ragged_batch's rules ------------
+def _full_cache(rng, spec, num_blocks):
+  """Every slot of every block written (clamped block ids may read any block)."""
+  t = num_blocks * spec.block_size
+  k, v = (jnp.asarray(rng.standard_normal((t, spec.num_kv_heads, spec.head_size)), spec.dtype)
+          for _ in range(2))
+  return kvjax.write_kv(spec.allocate(num_blocks), k, v, jnp.arange(t, dtype=jnp.int32), spec,
+                        impl="reference")
+
+
+# (query_start_loc, seq_lens, block-table fill, max_query_len): T = 6, S = 4 (decode: T = S)
+INVALID_METADATA = [
+    ([2, 3, 5, 6, 6], [4, 30, 9, 3], "ok", None),         # qsl[0] > 0: tokens 0, 1 output 0
+    ([0, 4, 2, 5, 9], [8, 5, 7, 6], "ok", None),          # decreasing entry, end past T
+    ([0, 2, 3, 4, 6], [-3, 1, 500, 6], "ok", None),       # negative / past-capacity seq_lens
+    ([0, 1, 3, 4, 6], [20, 13, 9, 40], "wild", None),     # block ids < 0 and >= B
+    ([0, 1, 4, 5, 6], [7, 9, 12, 5], "ok", 2),            # a sequence above max_query_len
+    ([0, 1, 1, 2, 4], [9, 17, 33, 5], "ok", 1),           # decode batch, empty seq in between
+    ([0, 1, 2, 2, 3], [9, 600, 33, -1], "wild", 1),       # decode batch, invalid everything
+    ([1, 2, 3, 4, 4], [9, 17, 33, 5], "ok", 1),           # decode batch shifted by one
+]
+
+
+@pytest.mark.parametrize("qsl,seq_lens,table,max_query_len", INVALID_METADATA)
+@pytest.mark.parametrize("impl", implementations("attention", but=("reference",)))
+def test_metadata_outside_the_contract_gives_the_reference_answer(rng, impl, qsl, seq_lens, table,
+                                                                  max_query_len, request):
+  """Under jit nothing can be checked: every implementation applies the same rules."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16, layout="HND")
+  interpret = run_mode("attention", impl, spec, jnp.bfloat16)
+  known_gap(request, "attention", impl, "metadata_rules", strict=False)
+  num_blocks, max_blocks = 6, 3
+  cache = _full_cache(rng, spec, num_blocks)
+  s = len(seq_lens)
+  t = s if max_query_len == 1 else 6
+  bt = rng.integers(0, num_blocks, (s, max_blocks))
+  if table == "wild":
+    bt[0, 0], bt[-1, -1], bt[1, 1] = -7, num_blocks + 3, 2**31 - 1
+  q = jnp.asarray(rng.standard_normal((t, 4, 32)), jnp.bfloat16)
+  meta = dict(query_start_loc=jnp.asarray(qsl, jnp.int32),
+              seq_lens=jnp.asarray(seq_lens, jnp.int32), block_table=jnp.asarray(bt, jnp.int32))
+
+  def run(name, interp):
+    f = jax.jit(lambda q, c, m: kvjax.unified_attention(
+        q, c, spec, scale=0.2, max_query_len=max_query_len, impl=name, interpret=interp, **m))
+    return np.asarray(f(q, cache, meta), np.float32)
+
+  want = run("reference", None)
+  assert np.isfinite(want).all() and np.abs(want).max() > 0
+  _assert_close(run(impl, interpret), want, 2e-2)
+
+
+@pytest.mark.parametrize("max_query_len", [1, 8])
+@pytest.mark.parametrize("impl", implementations("attention"))
+def test_traced_softmax_and_tensor_scales(rng, impl, max_query_len, request):
+  """jax.jit(kvjax.unified_attention) traces every argument, the softmax scale included."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16, cache_dtype="fp8")
+  interpret = run_mode("attention", impl, spec, jnp.bfloat16)
+  known_gap(request, "attention", impl, "traced_scale")
+  cache = _full_cache(rng, spec, 6)
+  s = 3
+  t = s if max_query_len == 1 else 8
+  q = jnp.asarray(rng.standard_normal((t, 4, 32)), jnp.bfloat16)
+  meta = dict(query_start_loc=jnp.asarray([0, 1, 2, 3] if max_query_len == 1 else [0, 1, 6, 8],
+                                          jnp.int32),
+              seq_lens=jnp.asarray([5, 30, 44], jnp.int32),
+              block_table=jnp.asarray(rng.integers(0, 6, (s, 3)), jnp.int32))
+
+  @jax.jit
+  def run(q, c, scale, ks):
+    return kvjax.unified_attention(q, c, spec, scale=scale, k_scale=ks,
+                                   max_query_len=max_query_len, impl=impl, interpret=interpret,
+                                   **meta)
+
+  out = np.asarray(run(q, cache, jnp.float32(0.3), jnp.float32(0.5)), np.float32)
+  want = kvjax.reference.unified_attention(q, cache, spec, scale=0.3, k_scale=0.5, **meta)
+  _assert_close(out, np.asarray(want, np.float32), 2e-2)

@@ -1,0 +1,196 @@
+"""The write case suite: every case on every implementation of kvjax.write_kv.
+
+Implementations come from ``kvjax.registry.WRITE`` (see op_suite.py for how they run). Each
+case writes random K/V (rows of magnitudes over decades, padding slots mixed in, more tokens
+than slots) into a poisoned cache, under jit, and checks: the bytes equal the reference's
+(in interpret mode; compiled kernels: the documented rounding-boundary exceptions), every
+byte not named by a slot keeps its bits, and the rows read back within the format's bound.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import KVCacheSpec, quant, registry
+from kv_testing import as_bytes, assert_roundtrip, poisoned_cache, random_kv
+from op_suite import exact_bytes, implementations, run_mode, toy_format  # noqa: F401
+from toy_format import TOY
+
+NUM_BLOCKS = 5
+
+# (cache_dtype, layout, H, D, N, model dtype, explicit / per-head scales)
+CASES = [
+    ("auto", "NHD", 2, 64, 16, jnp.bfloat16, False),
+    ("auto", "HND", 8, 128, 32, jnp.bfloat16, False),
+    ("auto", "NHD", 3, 64, 16, jnp.float16, False),            # H not a power of 2
+    ("float16", "NHD", 1, 128, 16, jnp.float32, False),
+    ("float32", "HND", 8, 64, 32, jnp.bfloat16, False),
+    ("fp8", "NHD", 2, 128, 16, jnp.bfloat16, False),           # default (unit) scales
+    ("fp8_e4m3", "HND", 8, 64, 16, jnp.bfloat16, True),        # [H] scales
+    ("fp8_e5m2", "NHD", 1, 64, 32, jnp.float32, True),
+    ("int8_per_token_head", "NHD", 8, 128, 16, jnp.bfloat16, False),
+    ("int8_per_token_head", "HND", 2, 80, 32, jnp.bfloat16, False),   # D = 80
+    ("fp8_per_token_head", "NHD", 2, 64, 16, jnp.float16, False),
+    ("int4_per_token_head", "HND", 8, 64, 32, jnp.bfloat16, False),
+    ("int4_per_token_head", "NHD", 1, 80, 16, jnp.float32, False),    # D = 80
+    ("nvfp4", "HND", 2, 64, 16, jnp.bfloat16, False),          # S = 4: swizzled V scales
+    ("nvfp4", "HND", 8, 128, 32, jnp.bfloat16, True),          # S = 8, global scales
+    ("nvfp4", "HND", 2, 80, 16, jnp.bfloat16, True),           # S = 5: linear V scales
+    (TOY.name, "NHD", 3, 64, 16, jnp.bfloat16, True),
+]
+
+
+def _id(c):
+  return f"{c[0]}-{c[1]}-H{c[2]}-D{c[3]}-N{c[4]}"
+
+
+def _scales(rng, spec, explicit):
+  codec = spec.codec
+  if not (explicit and codec.has_tensor_scales):
+    return None, None
+  if codec.per_head_tensor_scales:
+    return tuple(jnp.asarray(rng.uniform(0.05, 0.5, spec.num_kv_heads).astype(np.float32))
+                 for _ in range(2))
+  return jnp.float32(rng.uniform(0.05, 0.5)), jnp.float32(rng.uniform(0.05, 0.5))
+
+
+def _writer(name, interpret, spec):
+  """The registered implementation, jitted with the cache donated (in place)."""
+  run = registry.WRITE.choose(name, interpret, spec)
+  return jax.jit(functools.partial(run, spec=spec), donate_argnums=0)
+
+
+def _slots(rng, spec, t, pad):
+  s = rng.choice(NUM_BLOCKS * spec.block_size, t, replace=False)
+  return jnp.asarray(rng.permutation(np.concatenate([s, -np.ones(pad, np.int64)])).astype(
+      np.int32))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("impl", implementations("write"))
+def test_write_bytes_roundtrip_and_untouched_rows(rng, impl, case, request):
+  cd, layout, h, d, n, dtype, explicit = case
+  if cd == TOY.name:
+    request.getfixturevalue("toy_format")
+  spec = KVCacheSpec(h, d, n, cd, layout, dtype)
+  interpret = run_mode("write", impl, spec)
+  cache = poisoned_cache(rng, spec, NUM_BLOCKS)
+  before = as_bytes(cache).copy()
+  t = int(rng.integers(7, 2 * n + 3))
+  slots = _slots(rng, spec, t, pad=3)
+  key, value = random_kv(rng, spec, t + 3 + 4)               # more tokens than slots
+  ks, vs = _scales(rng, spec, explicit)
+  want = as_bytes(jax.jit(kvjax.reference.write_kv, static_argnums=4)(
+      cache, key, value, slots, spec, ks, vs))
+  out = _writer(impl, interpret, spec)(jnp.asarray(before.view(spec.storage_dtype).reshape(
+      cache.shape)), key, value, slots, k_scale=ks, v_scale=vs)
+  got = as_bytes(out)
+  if exact_bytes(impl, interpret):
+    bad = np.argwhere(got != want)
+    assert bad.size == 0, f"{len(bad)} bytes differ from the reference, first {bad[:3].tolist()}"
+  real = np.asarray(slots) >= 0
+  named = np.unique(np.asarray(slots)[real] // n)
+  unnamed = np.setdiff1d(np.arange(NUM_BLOCKS), named)
+  np.testing.assert_array_equal(got[unnamed], before[unnamed])
+  assert not np.array_equal(got[named], before[named])
+  if spec.codec.content_halves:      # row granularity: unnamed (token, head) rows keep bytes
+    rows_after = np.asarray(kvjax.token_major(jnp.asarray(got), spec))
+    rows_before = np.asarray(kvjax.token_major(jnp.asarray(before), spec))
+    written = np.zeros((NUM_BLOCKS, n), bool)
+    s = np.asarray(slots)[real]
+    written[s // n, s % n] = True
+    np.testing.assert_array_equal(rows_after[~written], rows_before[~written])
+  k, v = kvjax.read_kv(out, spec, slots[real], k_scale=ks, v_scale=vs, impl="reference")
+  for x, back, gs in ((key, k, ks), (value, v, vs)):
+    x = x[:t + 3][real]
+    if cd == TOY.name:       # bf16 rounding of x / s, scaled back
+      x = np.asarray(x, np.float32)
+      assert np.all(np.abs(np.asarray(back) - x) <= np.abs(x) * 2.0 ** -8 + 1e-30)
+    else:
+      assert_roundtrip(spec, x, back, gs)
+
+
+@pytest.mark.parametrize("cache_dtype,layout,heads", [
+    ("auto", "NHD", 4), ("auto", "HND", 2), ("int8_per_token_head", "NHD", 2),
+    ("nvfp4", "HND", 4)])
+@pytest.mark.parametrize("impl", implementations("write"))
+def test_slots_outside_the_cache_write_nothing_under_jit(rng, impl, cache_dtype, layout, heads):
+  """Slots >= B*N (just past the end, 2**30+5 whose slot*H wraps int32, 2**31-1) and negative
+  slots store nothing, traced under jit: the result equals writing the valid slots alone."""
+  spec = KVCacheSpec(heads, 64, 16, cache_dtype, layout)
+  interpret = run_mode("write", impl, spec)
+  b = 4
+  cache = poisoned_cache(rng, spec, b)
+  valid = rng.choice(b * 16, 5, replace=False)
+  bad = [b * 16, b * 16 + 5, 2**30 + 5, 2**31 - 1, -1, -(2**31)]
+  slots = jnp.asarray(rng.permutation(np.concatenate([valid, bad])).astype(np.int32))
+  key, value = random_kv(rng, spec, slots.shape[0])
+  keep = (np.asarray(slots) >= 0) & (np.asarray(slots) < b * 16)
+  want = as_bytes(kvjax.reference.write_kv(cache, key[keep], value[keep], slots[keep], spec))
+  got = as_bytes(jax.jit(lambda c, k, v, s: kvjax.write_kv(
+      c, k, v, s, spec, impl=impl, interpret=interpret))(cache, key, value, slots))
+  np.testing.assert_array_equal(got, want)
+
+
+# A NaN with a payload for every float storage dtype (bits).
+_NAN_PAYLOADS = {"auto": 0x7FC1, "float16": 0x7E01, "float32": 0x7FC00001,
+                 "fp8_e5m2": 0xFD, "fp8_e4m3": 0x7F}
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+@pytest.mark.parametrize("cache_dtype", sorted(_NAN_PAYLOADS))
+@pytest.mark.parametrize("impl", implementations("write"))
+def test_untouched_nan_payloads_keep_their_bits(rng, impl, cache_dtype, jitted):
+  """XLA on CPU scatters bf16 / fp8_e5m2 through float32 and rewrites NaN payloads: writers
+  move bits, so every byte not named by a slot keeps its bits (eager and jit, donated)."""
+  spec = KVCacheSpec(2, 32, 16, cache_dtype, "NHD")
+  interpret = run_mode("write", impl, spec)
+  bits = quant.bits_dtype(spec.storage_dtype)
+  raw = np.full(spec.physical_shape(3), _NAN_PAYLOADS[cache_dtype], bits)
+  slots = jnp.asarray([20, 5], jnp.int32)                   # rows of blocks 1 and 0
+  key, value = random_kv(rng, spec, 2)
+  run = functools.partial(registry.WRITE.choose(impl, interpret, spec), spec=spec)
+  run = jax.jit(run, donate_argnums=0) if jitted else run
+  got = np.asarray(run(jnp.asarray(raw.view(spec.storage_dtype)), key, value, slots)).view(bits)
+  rows = got.reshape(3 * 16, -1)                             # NHD: (block * N + token, H*C)
+  untouched = np.setdiff1d(np.arange(3 * 16), [20, 5])
+  np.testing.assert_array_equal(rows[untouched], raw.reshape(3 * 16, -1)[untouched])
+  assert not np.array_equal(rows[[20, 5]], raw.reshape(3 * 16, -1)[[20, 5]])
+
+
+@pytest.mark.parametrize("impl", implementations("write"))
+def test_int4_rows_near_the_float32_limit_round_trip_finite(rng, impl):
+  """max - min of a row holding -3e38 and 3e38 overflows float32; the scale must not."""
+  spec = KVCacheSpec(2, 64, 16, "int4_per_token_head", "HND", jnp.float32)
+  interpret = run_mode("write", impl, spec)
+  x = rng.uniform(-3e38, 3e38, (4, 2, 64)).astype(np.float32)
+  x[:, :, 0], x[:, :, 1] = 3e38, -3e38
+  x[3] = rng.standard_normal((2, 64))                       # an ordinary row next to them
+  key = value = jnp.asarray(x)
+  slots = jnp.asarray([0, 17, 33, 2], jnp.int32)
+  cache = kvjax.write_kv(spec.allocate(3), key, value, slots, spec, impl=impl,
+                         interpret=interpret)
+  if exact_bytes(impl, interpret):
+    np.testing.assert_array_equal(as_bytes(cache), as_bytes(
+        kvjax.reference.write_kv(spec.allocate(3), key, value, slots, spec)))
+  k, _ = kvjax.read_kv(cache, spec, slots)
+  k = np.asarray(k, np.float64)
+  assert np.isfinite(k).all()
+  x64 = x.astype(np.float64)
+  step = (x64.max(-1) - x64.min(-1)) / 15                   # one int4 step, in float64
+  assert np.all(np.abs(k - x64) <= step[..., None] + 1e-6)
+
+
+@pytest.mark.parametrize("impl", implementations("write"))
+def test_all_padding_and_empty_writes_change_nothing(rng, impl):
+  spec = KVCacheSpec(2, 64, 16, "int8_per_token_head", "NHD")
+  interpret = run_mode("write", impl, spec)
+  cache = poisoned_cache(rng, spec, NUM_BLOCKS)
+  before = as_bytes(cache).copy()
+  key, value = random_kv(rng, spec, 6)
+  for slots in (jnp.full((6,), -1, jnp.int32), jnp.zeros((0,), jnp.int32)):
+    out = kvjax.write_kv(cache, key, value, slots, spec, impl=impl, interpret=interpret)
+    np.testing.assert_array_equal(as_bytes(out), before)

@@ -1,0 +1,124 @@
+"""What is particular to the Triton write kernel: launch configs, in-place donation, the CUDA
+lowering, and the arithmetic it shares with the reference.
+
+The write case suite (every format, every implementation) is test_op_write.py.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import KVCacheSpec, quant
+from kvjax.reference import cache_update as ref
+from kv_testing import as_bytes, poisoned_cache, random_kv
+from pallas_kernels.triton import write as cu
+from pallas_kernels import common
+
+NUM_BLOCKS = 5
+_ref_write = jax.jit(ref.write_kv, static_argnums=4)
+
+
+def _kernel_write(cache, key, value, slots, spec, ks=None, vs=None, config=None):
+  return cu.write_kv(cache, key, value, slots, spec, k_scale=ks, v_scale=vs, interpret=True,
+                     config=config)
+
+
+def _slots(rng, spec, t, pad):
+  """Duplicate-free random slots with ``pad`` padding (-1) slots mixed in."""
+  s = rng.choice(NUM_BLOCKS * spec.block_size, t, replace=False)
+  s = np.concatenate([s, -np.ones(pad, np.int64)])
+  return jnp.asarray(rng.permutation(s).astype(np.int32))
+
+
+@pytest.mark.parametrize("cache_dtype", ["int4_per_token_head", "nvfp4"])
+def test_launch_configs_store_the_same_bytes(rng, cache_dtype):
+  """Several tokens a program (a partial last program), and the split pair loads."""
+  spec = KVCacheSpec(2, 64, 16, cache_dtype, "HND")
+  cache = poisoned_cache(rng, spec, NUM_BLOCKS)
+  t = 13
+  slots = _slots(rng, spec, t, pad=2)
+  key, value = random_kv(rng, spec, t + 2)
+  want = as_bytes(_ref_write(cache, key, value, slots, spec, None, None))
+  for config in (cu.WriteConfig(tokens_per_program=4),
+                 cu.WriteConfig(tokens_per_program=2, pair_split=True)):
+    got = as_bytes(_kernel_write(cache, key, value, slots, spec, config=config))
+    np.testing.assert_array_equal(got, want, err_msg=str(config))
+
+
+def test_donated_write_is_in_place():
+  """Donated, the output aliases the cache (CPU, interpret mode); the CUDA lowering hands the
+  cache buffer itself to the kernel (aliased, no bits view or copy of it in between)."""
+  from jax import export
+  spec = KVCacheSpec(8, 128, 16, "auto", "NHD")
+  c = jax.ShapeDtypeStruct(spec.physical_shape(32), spec.storage_dtype)
+  kv = jax.ShapeDtypeStruct((40, 8, 128), spec.dtype)
+  s = jax.ShapeDtypeStruct((40,), jnp.int32)
+  nbytes = int(np.prod(c.shape)) * 2
+  f = lambda c, k, v, s: cu.write_kv(c, k, v, s, spec, interpret=True)
+  for donate, alias in (((0,), nbytes), ((), 0)):
+    mem = jax.jit(f, donate_argnums=donate).lower(c, kv, kv, s).compile().memory_analysis()
+    assert mem.alias_size_in_bytes == alias
+  g = jax.jit(lambda c, k, v, s: cu.write_kv(c, k, v, s, spec), donate_argnums=0)
+  allow = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  text = export.export(g, platforms=["cuda"], disabled_checks=allow)(c, kv, kv, s).mlir_module()
+  assert "output_operand_aliases" in text and "tf.aliasing_output = 0" in text
+  assert "bitcast_convert" not in text
+
+
+# -- the arithmetic the kernels and the reference share --------------------------------------
+def test_round_half_even_matches_jnp_round(rng):
+  v = np.concatenate([rng.uniform(-40, 40, 2000), np.arange(-20, 20) + 0.5,
+                      np.arange(-20, 20, dtype=np.float64), [0.49999997, -0.49999997, 1e9 + 0.5]])
+  v = jnp.asarray(v.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(quant.round_half_even(v)), np.asarray(jnp.round(v)))
+  a = np.asarray(v)
+  np.testing.assert_array_equal(np.asarray(quant.round_half_away_from_zero(v)),
+                                np.sign(a) * np.floor(np.abs(a) + 0.5))
+
+
+def test_div_const_is_what_jit_computes(rng):
+  """Guards the assumption the kernel relies on: jitted ``x / c`` == ``x * f32(1/c)``."""
+  x = jnp.asarray(rng.standard_normal(4096).astype(np.float32) * 10)
+  for c in (15.0, 127.0, 448.0, 6.0):
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x / c)(x)),
+                                  np.asarray(quant.div_const(x, c)))
+
+
+def test_e2m1_decode_and_byte_helpers(rng):
+  codes = jnp.arange(16, dtype=jnp.uint8)
+  grid = np.concatenate([quant.E2M1_GRID, -quant.E2M1_GRID])
+  np.testing.assert_array_equal(np.asarray(quant.e2m1_decode(codes)).view(np.uint32),
+                                grid.astype(np.float32).view(np.uint32))   # -0.0 for code 8
+  s = jnp.asarray(rng.standard_normal(64).astype(np.float32))
+  b = common.f32_to_bytes(s)
+  np.testing.assert_array_equal(np.asarray(b), np.asarray(jax.lax.bitcast_convert_type(
+      s, jnp.uint8)))
+  back = common.f32_from_bytes(lambda i: b[:, i])
+  np.testing.assert_array_equal(np.asarray(back).view(np.uint32), np.asarray(s).view(np.uint32))
+  assert [common.next_pow2(n) for n in (0, 1, 2, 3, 64, 80)] == [1, 1, 2, 4, 64, 128]
+  assert common.cdiv(7, 2) == 4 and common.cdiv(8, 2) == 4
+
+
+@pytest.mark.parametrize("cache_dtype,layout,head_size", [
+    ("auto", "NHD", 128), ("fp8_e5m2", "HND", 64), ("int8_per_token_head", "HND", 80),
+    ("int4_per_token_head", "NHD", 80), ("nvfp4", "HND", 128)])
+def test_kernels_lower_to_triton_for_cuda(cache_dtype, layout, head_size):
+  """The Triton lowering (what runs on the GPU) accepts every op the kernels use.
+
+  Lowered here without a GPU through ``jax.export``; compiling the Triton IR needs the GPU.
+  """
+  from jax import export
+  from pallas_kernels.triton import dequant as dq
+  spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)
+  c = jax.ShapeDtypeStruct(spec.physical_shape(8), spec.storage_dtype)
+  kv = jax.ShapeDtypeStruct((40, 2, head_size), spec.dtype)
+  s = jax.ShapeDtypeStruct((33,), jnp.int32)
+  allow = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  for config in (None, cu.WriteConfig(tokens_per_program=4, pair_split=False)):
+    write = jax.jit(lambda c, k, v, s: cu.write_kv(c, k, v, s, spec, config=config),
+                    donate_argnums=0)
+    text = export.export(write, platforms=["cuda"], disabled_checks=allow)(c, kv, kv, s)
+    assert "xla.gpu.triton" in text.mlir_module()
+  deq = jax.jit(lambda p: dq.dequantize_pages(p, spec))
+  text = export.export(deq, platforms=["cuda"], disabled_checks=allow)(c)
+  assert "xla.gpu.triton" in text.mlir_module()
