@@ -212,16 +212,16 @@ def e2m1_encode(y):
 
 
 def e2m1_decode(code):
-  """e2m1 code (uint8, low 4 bits) -> float32: a select chain over the 8 magnitudes, the sign
-  set as a bit (code 8 is -0.0)."""
-  m = code & jnp.uint8(7)
-  mag = jnp.zeros(code.shape, jnp.float32)
-  for i, val in enumerate(E2M1_GRID.tolist()):
-    if val:
-      mag = jnp.where(m == i, jnp.float32(val), mag)
-  sign = (code & jnp.uint8(8)).astype(_U32) << _U32(28)
-  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(mag, _U32) | sign,
-                                      jnp.float32)
+  """e2m1 code (uint8, low 4 bits) -> float32, built from its bits (no lookup): exponent
+  e = bits 1-2, mantissa m = bit 0; e > 0 is ``2**(e-1) * (1 + m/2)``, i.e. float32 exponent
+  ``e + 126`` with m as the top mantissa bit; e = 0 is 0 or 0.5. The sign is set as a bit
+  (code 8 is -0.0)."""
+  c = code.astype(_U32)
+  e = (c >> _U32(1)) & _U32(3)
+  m = c & _U32(1)
+  normal = ((e + _U32(126)) << _U32(23)) | (m << _U32(22))
+  bits = jnp.where(e > _U32(0), normal, m * _U32(0x3F000000))
+  return jax.lax.bitcast_convert_type(bits | ((c & _U32(8)) << _U32(28)), jnp.float32)
 
 
 def nvfp4_group_scale(amax, gs):
