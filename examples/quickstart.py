@@ -235,7 +235,7 @@ def main(argv=None):
                 f"{num_q} query tokens + {PAD_TOKENS} padding"),
       ("output", f"{tuple(out.shape)} {out.dtype}"),
       ("Pallas kernels vs reference" + (" (interpret mode)" if backend == "cpu" else ""),
-       f"max error {err_ref:.3e}"),
+       f"{err_ref:.3e} (max abs error)"),
       ("max error vs dense attention",
        f"{err_dense:.3e} (on the original K/V; "
        f"{'quantization included' if spec.format.is_quantized else 'bf16 rounding'})"),
