@@ -1,272 +1,205 @@
-"""What the torch facade adds per call over calling the jitted JAX kernel directly (CUDA).
+"""Per-layer cost of kvjax's torch facade against the direct JAX call and vLLM's Triton kernel.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_facade.py [--out DIR] [--impl auto]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_facade.py [--smoke] [--json PATH]
 
-Decode batch 64, Hq=32, H=8, D=128, block 16, bf16 NHD, context lengths drawn
-uniformly from [1024, 4096] (and a short-context row, 16..64, where the GPU work is
-tiny so host costs show). For ``PagedAttentionBackend.forward`` (torch tensors in,
-torch ``output`` written) and for the same jitted ``kvjax.unified_attention``
-called with JAX arrays, three timings per call (medians):
-- host: host time to issue a call, from an idle GPU, 16 calls in a row;
-- pipelined: wall time per call over 50 back-to-back calls, one sync at the end;
-- latency: one call then a full sync.
-Also ``do_kv_cache_update`` (64 new tokens) against the jitted donated write,
-and the crossing's pieces alone. Both crossing modes ("fast", "dlpack").
-If the Pallas path fails, the reference implementation is measured instead (said).
+A decode step of ``L`` layers, each layer with its own cache tensor, run back to back with
+one sync at the end (bf16, Hq=32, H=8, D=128, block 16, NHD), in two regimes: 8 sequences of
+512 tokens (host-bound: the kernels are short) and 64 sequences of 4096 tokens (GPU-bound).
+Per layer, medians over repeats:
+
+- ``vllm``: vLLM's ``unified_attention`` Triton kernel launched from torch on the same cache
+  bytes (only where ``benchmarks/vllm_peer.py`` finds vLLM's kernels: a CUDA machine);
+- ``facade``: ``PagedAttentionBackend.forward`` with torch tensors (output donated);
+- ``direct``: the same jitted kvjax op called from JAX with JAX arrays;
+- ``facade host``: host time to issue one facade call (the loop without its final sync).
+
+``--smoke`` runs tiny shapes on the CPU in well under a minute (a check of the script and a
+proxy of the facade's host cost: on the CPU the facade waits for each result to copy it into
+``output``, so there the direct call waits for each result too, and facade minus direct is
+the host work the facade adds).
 """
+from __future__ import annotations
+
 import argparse
 import json
 import os
 import statistics
 import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import torch_bridge as tb  # noqa: E402
-from torch_bridge import jitted  # noqa: E402
 from torch_bridge import layout as L  # noqa: E402
 
-S, HQ, H, D, N = 64, 32, 8, 128, 16
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # cpu: a dry run only
+HQ, H, D, N = 32, 8, 128, 16
+REGIMES = [("host-bound", 8, 512), ("GPU-bound", 64, 4096)]
+SMOKE = dict(hq=4, h=2, d=32, regimes=[("host-bound", 8, 64), ("GPU-bound", 16, 256)],
+             layers=4, reps=10)
+FULL = dict(hq=HQ, h=H, d=D, regimes=REGIMES, layers=16, reps=10)
 
 
-def sync():
-  if DEV.type == "cuda":
-    torch.cuda.synchronize()
+def _sync(dev):
+  if dev.type == "cuda":
+    torch.cuda.synchronize(dev)
 
 
-def median_us(samples):
-  return statistics.median(samples) * 1e6
+class Step:
+  """One regime's decode step: L caches (torch), per-layer q / output, shared metadata."""
+
+  def __init__(self, dev, seqs, ctx, layers, hq, h, d, rng):
+    self.dev, self.layers = dev, layers
+    self.backend = tb.PagedAttentionBackend(hq, h, d, N, "auto", "NHD", dtype=torch.bfloat16)
+    blocks = -(-ctx // N)
+    num_blocks = seqs * blocks + 1
+    self.caches = []
+    for _ in range(layers):
+      c = self.backend.allocate_kv_cache(num_blocks, device=dev)
+      L.physical_tensor(c, self.backend.spec).normal_()
+      self.caches.append(c)
+    table = rng.permutation(num_blocks)[:seqs * blocks].reshape(seqs, blocks).astype(np.int32)
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+    self.md = tb.PagedAttentionMetadata(
+        as_t(np.arange(seqs + 1, dtype=np.int32)), as_t(np.full(seqs, ctx, np.int32)),
+        as_t(table), as_t(table[:, 0] * N), max_query_len=1, max_seq_len=ctx)
+    self.qs = [torch.randn(seqs, hq, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    self.outs = [torch.empty_like(q) for q in self.qs]
+    self.kv_gb = layers * seqs * ctx * h * 2 * d * 2 / 1e9
+
+  def facade(self):
+    fwd, md = self.backend.forward, self.md
+    for q, c, o in zip(self.qs, self.caches, self.outs):
+      fwd(q, c, md, o)
+    return None
+
+  def direct_fn(self):
+    """The facade's own jitted function (the one its calls use), called with JAX arrays that
+    were imported once, output donated the same way: the facade's cost is the difference."""
+    be, md = self.backend, self.md
+    self.facade()                          # compiles, and fills the facade's function cache
+    (fn,) = be._attn.values()
+    t = self.qs[0].shape[0]
+    cx = be._crossing(self.dev)
+    qsl, sl, bt = md.jax_arrays(cx, t)
+    qj = [jax.numpy.array(cx.fresh(q)) for q in self.qs]
+    cj = [tb.from_torch(c, be.spec) for c in self.caches]
+    donate = self.dev.type == "cuda"       # the facade's default output_mode on CUDA
+    outs = [jax.numpy.zeros_like(q) for q in qj]
+
+    def run():
+      r = None
+      for i, (q, c) in enumerate(zip(qj, cj)):
+        if donate:
+          outs[i] = r = fn(q, c, qsl, sl, bt, None, None, None, outs[i])
+        else:            # CPU: the facade waits for each result (it copies it into output)
+          r = fn(q, c, qsl, sl, bt, None, None, None).block_until_ready()
+      return r
+    return run
+
+  def vllm_fn(self):
+    from benchmarks import vllm_peer
+    if not (self.dev.type == "cuda" and vllm_peer.available()):
+      return None
+    md, be = self.md, self.backend
+    runs = [vllm_peer.attention(be.spec, c, q, cu_seqlens_q=md.query_start_loc,
+                                seqused_k=md.seq_lens, block_table=md.block_table,
+                                max_seqlen_q=1, max_seqlen_k=md.max_seq_len, scale=be.scale)
+            for c, q in zip(self.caches, self.qs)]
+
+    def run():
+      for r in runs:
+        r()
+    return run
 
 
-def host_us(call, wait, calls=16, reps=10):
-  """Host seconds to issue one call (from idle), median over reps of ``calls`` in a row."""
-  out = []
+def per_layer_us(run, wait, layers, reps):
+  """(median wall per layer, median host time per layer) over ``reps`` back-to-back steps."""
+  run()
+  wait(run())
+  walls, hosts = [], []
   for _ in range(reps):
-    wait()
+    wait(None)
     t0 = time.perf_counter()
-    for _ in range(calls):
-      r = call()
-    out.append((time.perf_counter() - t0) / calls)
+    r = run()
+    t1 = time.perf_counter()
     wait(r)
-  return median_us(out)
+    t2 = time.perf_counter()
+    hosts.append((t1 - t0) / layers * 1e6)
+    walls.append((t2 - t0) / layers * 1e6)
+  return statistics.median(walls), statistics.median(hosts)
 
 
-def pipelined_us(call, wait, calls=50, reps=5):
-  out = []
-  for _ in range(reps):
-    wait()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      r = call()
-    wait(r)
-    out.append((time.perf_counter() - t0) / calls)
-  return median_us(out)
+def bench_regime(name, seqs, ctx, cfg, dev, rng):
+  step = Step(dev, seqs, ctx, cfg["layers"], cfg["hq"], cfg["h"], cfg["d"], rng)
+  torch_wait = lambda r: _sync(dev)
 
+  def jax_wait(r):
+    _sync(dev)
+    if r is not None:
+      jax.block_until_ready(r)
 
-def latency_us(call, wait, reps=30):
-  out = []
-  wait()
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    wait(call())
-    out.append(time.perf_counter() - t0)
-  return median_us(out)
-
-
-def jax_wait(r=None):
-  sync()
-  if r is not None:
-    jax.block_until_ready(r)
-
-
-def torch_wait(r=None):
-  sync()
-
-
-def build(rng, ctx_lo, ctx_hi, impl, mode, output_mode="copy"):
-  ctx = rng.integers(ctx_lo, ctx_hi + 1, S)
-  nblk = -(-ctx // N)
-  num_blocks = int(nblk.sum()) + 64
-  perm = rng.permutation(num_blocks)
-  bt = np.zeros((S, -(-ctx_hi // N)), np.int32)     # width from the range: shared compilations
-  pos = 0
-  for i, n in enumerate(nblk):
-    bt[i, :n] = perm[pos:pos + n]
-    pos += n
-  backend = tb.PagedAttentionBackend(HQ, H, D, N, "auto", "NHD", impl=impl, crossing_mode=mode,
-                                     output_mode=output_mode)
-  cache = backend.allocate_kv_cache(num_blocks, device=DEV)
-  L.physical_tensor(cache, backend.spec).normal_()
-  md = tb.PagedAttentionMetadata(
-      torch.arange(S + 1, dtype=torch.int32, device=DEV),
-      torch.from_numpy(ctx.astype(np.int32)).to(DEV), torch.from_numpy(bt).to(DEV),
-      torch.from_numpy(bt[:, 0] * N).to(DEV), 1, int(ctx.max()))
-  q = torch.randn(S, HQ, D, device=DEV, dtype=torch.bfloat16)
-  out = torch.empty_like(q)
-  return backend, cache, md, q, out, ctx
-
-
-def bench_forward(rng, ctx_lo, ctx_hi, impl, mode, output_mode="copy"):
-  backend, cache, md, q, out, ctx = build(rng, ctx_lo, ctx_hi, impl, mode, output_mode)
-  spec = backend.spec
-  fn = jitted.attention_fn(spec, backend.scale, True, None, None, 1, impl, None)
-  dev = tb.dlpack.jax_device_of(q)
-  args = (jax.device_put(jnp.asarray(q.float().cpu().numpy()).astype(jnp.bfloat16), dev),
-          tb.from_torch(cache, spec),
-          jax.device_put(jnp.asarray(md.query_start_loc.cpu().numpy()), dev),
-          jax.device_put(jnp.asarray(md.seq_lens.cpu().numpy()), dev),
-          jax.device_put(jnp.asarray(md.block_table.cpu().numpy()), dev), None, None, None)
-  direct = lambda: fn(*args)
-  facade = lambda: backend.forward(q, cache, md, out)
-  jax_wait(direct())
-  facade()
-  sync()
-  err = float((out.float() - torch.from_dlpack(direct()).float()).abs().max())
-  row = {"what": f"forward (out={output_mode})", "mode": mode, "impl": impl, "ctx": f"{ctx_lo}..{ctx_hi}",
-         "kv_gb": float(ctx.sum()) * H * 2 * D * 2 / 1e9, "max_abs_diff": err}
-  for name, timer in (("host", host_us), ("pipelined", pipelined_us), ("latency", latency_us)):
-    row[f"direct_{name}_us"] = timer(direct, jax_wait)
-    row[f"facade_{name}_us"] = timer(facade, torch_wait)
-    row[f"added_{name}_us"] = row[f"facade_{name}_us"] - row[f"direct_{name}_us"]
-  return row, (backend, cache, md, q, out, args, fn)
-
-
-def bench_update(rng, impl, mode, slot_dtype):
-  backend = tb.PagedAttentionBackend(HQ, H, D, N, "auto", "NHD", impl=impl, crossing_mode=mode)
-  spec = backend.spec
-  num_blocks = 4096 if DEV.type == "cuda" else 64
-  cache = backend.allocate_kv_cache(num_blocks, device=DEV)
-  key = torch.randn(S, H, D, device=DEV, dtype=torch.bfloat16)
-  value = torch.randn_like(key)
-  slots = torch.from_numpy(rng.choice(num_blocks * N, S, replace=False)).to(DEV, slot_dtype)
-  dev = tb.dlpack.jax_device_of(key)
-  wfn = jitted.write_fn(spec, impl, None, True)
-  state = {"c": jax.device_put(jnp.zeros(spec.physical_shape(num_blocks), jnp.bfloat16), dev)}
-  kj = jax.device_put(jnp.asarray(key.float().cpu().numpy()).astype(jnp.bfloat16), dev)
-  vj = jax.device_put(jnp.asarray(value.float().cpu().numpy()).astype(jnp.bfloat16), dev)
-  sj = jax.device_put(jnp.asarray(slots.cpu().numpy().astype(np.int32)), dev)
-
-  def direct():
-    state["c"] = wfn(state["c"], kj, vj, sj, None, None)
-    return state["c"]
-
-  facade = lambda: backend.do_kv_cache_update(key, value, cache, slots)
-  jax_wait(direct())
-  facade()
-  sync()
-  ptr_ok = backend._cache(cache).data_ptr() == cache.data_ptr() and bool(backend._inplace_checked)
-  row = {"what": f"update ({str(slot_dtype).split('.')[-1]} slots)", "mode": mode, "impl": impl,
-         "ctx": "-", "in_place": ptr_ok}
-  for name, timer in (("host", host_us), ("pipelined", pipelined_us), ("latency", latency_us)):
-    row[f"direct_{name}_us"] = timer(direct, jax_wait)
-    row[f"facade_{name}_us"] = timer(facade, torch_wait)
-    row[f"added_{name}_us"] = row[f"facade_{name}_us"] - row[f"direct_{name}_us"]
+  row = {"regime": name, "seqs": seqs, "ctx": ctx, "layers": step.layers,
+         "kv_gb": round(step.kv_gb, 3)}
+  direct = step.direct_fn()
+  row["direct_us"], row["direct_host_us"] = per_layer_us(direct, jax_wait, step.layers,
+                                                         cfg["reps"])
+  row["facade_us"], row["facade_host_us"] = per_layer_us(step.facade, torch_wait, step.layers,
+                                                         cfg["reps"])
+  vllm = step.vllm_fn()
+  row["vllm_us"] = None
+  if vllm is not None:
+    row["vllm_us"], _ = per_layer_us(vllm, torch_wait, step.layers, cfg["reps"])
+  row["added_us"] = row["facade_us"] - row["direct_us"]
+  # the facade's result equals the direct call's (same jitted function, same bytes)
+  out = step.outs[-1].float().cpu()
+  ref = torch.from_dlpack(direct()).float().cpu()
+  row["max_abs_diff"] = float((out - ref).abs().max())
   return row
 
 
-def bench_pieces(state):
-  backend, cache, md, q, out, args, fn = state
-  cx = backend._crossing(q.device)
-  res = fn(*args)
-  jax_wait(res)
-  tres = torch.from_dlpack(res)
-  phys = backend._cache(cache)
-
-  def each(call, n=500):
-    call()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(n):
-      call()
-    dt = (time.perf_counter() - t0) / n
-    sync()
-    return dt * 1e6
-
-  return {
-      "fence (event record + wait)": each(cx.fence),
-      "fresh import q, fast": each(lambda: tb.interop._raw_import(
-          q.__dlpack__(stream=-1), cx.jax_device, cx._jax_stream, None, cx._dl_type)),
-      "jax.dlpack.from_dlpack(q)": each(lambda: jax.dlpack.from_dlpack(q)),
-      "cache lookup (_cache + view)": each(lambda: cx.view(backend._cache(cache))),
-      "metadata lookup": each(lambda: md.jax_arrays(cx)),
-      "torch.from_dlpack(result)": each(lambda: torch.from_dlpack(res)),
-      "output.copy_(result)": each(lambda: out.copy_(tres)),
-      "publish (export wait)": each(lambda: cx.publish(res)),
-      "jit dispatch (direct call)": each(lambda: fn(*args), n=100),
-  }
+def table(rows):
+  f = lambda v: "-" if v is None else f"{v:.1f}"
+  lines = ["| per layer (µs) | vLLM Triton from torch | kvjax facade | kvjax direct JAX | "
+           "facade − direct | facade host | direct host |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['regime']}: {r['seqs']} seqs x {r['ctx']}, {r['layers']} layers | "
+                 f"{f(r['vllm_us'])} | {f(r['facade_us'])} | {f(r['direct_us'])} | "
+                 f"{f(r['added_us'])} | {f(r['facade_host_us'])} | {f(r['direct_host_us'])} |")
+  return "\n".join(lines)
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=os.environ.get("OUT", "."))
-  ap.add_argument("--impl", default="auto")
-  ap.add_argument("--dry", action="store_true", help="tiny sizes, to check the script on CPU")
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (< 60 s)")
+  ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  ap.add_argument("--layers", type=int, default=None)
   args = ap.parse_args()
-  global S
-  big = (1024, 4096)
-  if args.dry:
-    S, big = 4, (16, 64)
-  rng = np.random.default_rng(0)
+  cfg = dict(SMOKE if args.smoke else FULL)
+  if args.layers:
+    cfg["layers"] = args.layers
+  dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
   t0 = time.time()
-  device = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (dry run)"
-  print(f"jax {jax.__version__} torch {torch.__version__} {device}")
-  impl = args.impl
-  rows, pieces, notes = [], {}, []
-  try:
-    row, state = bench_forward(rng, *big, impl, "fast")
-  except Exception as e:  # the Pallas path may not be ready: measure the bridge over the reference
-    notes.append(f"impl={impl} failed ({type(e).__name__}: {str(e)[:200]}); measured impl=reference")
-    traceback.print_exc()
-    impl = "reference"
-    row, state = bench_forward(rng, *big, impl, "fast")
-  rows.append(row)
-  print(row)
-  pieces = bench_pieces(state)
-  del state
-  for lo, hi, mode, om in ((*big, "fast", "donate"), (*big, "dlpack", "copy"),
-                           (16, 64, "fast", "copy"), (16, 64, "fast", "donate"),
-                           (16, 64, "dlpack", "copy")):
-    try:
-      rows.append(bench_forward(rng, lo, hi, impl, mode, om)[0])
-      print(rows[-1])
-    except Exception as e:
-      notes.append(f"forward ctx {lo}..{hi} mode {mode}: {type(e).__name__}: {str(e)[:200]}")
-  for mode, sd in (("fast", torch.int32), ("fast", torch.int64), ("dlpack", torch.int32)):
-    try:
-      rows.append(bench_update(rng, impl, mode, sd))
-      print(rows[-1])
-    except Exception as e:
-      notes.append(f"update mode {mode} {sd}: {type(e).__name__}: {str(e)[:200]}")
-      traceback.print_exc()
-  head = ("| op | mode | impl | ctx | direct host | facade host | added host | direct pipelined | "
-          "facade pipelined | added pipelined | direct latency | facade latency | added latency |")
-  lines = [head, "|" + "---|" * 13]
-  for r in rows:
-    lines.append(f"| {r['what']} | {r['mode']} | {r['impl']} | {r['ctx']} | " + " | ".join(
-        f"{r[f'{w}_{k}_us']:.1f}" for k in ("host", "pipelined", "latency")
-        for w in ("direct", "facade", "added")) + " |")
-  lines += ["", "| piece (fast mode) | us per call |", "|---|---|"]
-  lines += [f"| {k} | {v:.1f} |" for k, v in pieces.items()]
-  lines += [""] + [f"note: {n}" for n in notes]
-  table = "\n".join(lines)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "bench_facade.json"), "w") as f:
-    json.dump({"rows": rows, "pieces": pieces, "notes": notes, "jax": jax.__version__,
-               "torch": torch.__version__, "device": device,
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=1)
-  with open(os.path.join(args.out, "bench_facade.md"), "w") as f:
-    f.write(table + "\n")
-  print(f"\n== facade overhead, us per call ({time.time() - t0:.0f} s) ==")
-  print(table)
+  print(f"jax {jax.__version__}, torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; "
+        f"Hq={cfg['hq']} H={cfg['h']} D={cfg['d']} bf16 decode, float32 matmul precision "
+        f"{torch.get_float32_matmul_precision()!r}")
+  rng = np.random.default_rng(0)
+  rows = []
+  for name, seqs, ctx in cfg["regimes"]:
+    rows.append(bench_regime(name, seqs, ctx, cfg, dev, rng))
+    print(rows[-1], flush=True)
+  print(f"\n== facade per layer, back to back, one sync ({time.time() - t0:.0f} s) ==")
+  print(table(rows))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"rows": rows, "jax": jax.__version__, "torch": torch.__version__,
+                 "device": str(dev), "smoke": args.smoke,
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=1)
 
 
 if __name__ == "__main__":

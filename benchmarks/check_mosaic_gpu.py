@@ -3,17 +3,21 @@
 GPU:  PYTHONUNBUFFERED=1 python benchmarks/check_mosaic_gpu.py          (< 4 minutes)
       writes $OUT/mosaic_gpu.json when $OUT is set.
 
-1. Correctness: the compiled kernel vs ``kvjax.reference.unified_attention`` on small ragged
-   batches (NHD and HND, GQA 1/4/7/8, head sizes 64/128/256, window, soft cap, sinks, padding
-   tokens, zero-length prefixes and empty sequences, decode-only, a prefill + decode mix),
-   caches poisoned with NaN in every slot no token was written to. Per case: max |error|
-   relative to the output's magnitude, padding rows exactly 0, PASS/FAIL; an exception prints
-   its type and first lines and the next case runs.
+1. Correctness of every ``acc += P V`` variant of the kernel (``tiles.PV_VARIANTS``: P in
+   registers / through shared memory, accumulated in place / into a fresh accumulator) vs
+   ``kvjax.reference.unified_attention`` on small ragged batches (NHD and HND, GQA 1/4/7/8,
+   head sizes 64/128/256, window, soft cap, sinks, padding tokens, zero-length prefixes and
+   empty sequences, decode-only, a prefill + decode mix), caches poisoned with NaN in every
+   slot no token was written to. Per case and variant: max |error| relative to the output's
+   magnitude, padding rows exactly 0, PASS/FAIL; an exception prints its type and first
+   lines and the next one runs. The summary says which variants pass every case.
 2. Speed (bf16, Hq=32, H=8, D=128, block 16, pages shuffled): 4x4096, 16x1024, 1x16384
-   causal prefill and a serving mix (1x4096 prefill + 64 decodes at 4096) for this kernel
-   (NHD, HND), the Pallas-Triton kernel (``kvjax.unified_attention(impl="pallas")``), and on
-   dense KV JAX's ``attention_mgpu``, cuDNN (``jax.nn.dot_product_attention``) and torch SDPA
-   (``enable_gqa=True``). FLOPs = 4 * (visible query-key pairs) * Hq * D.
+   causal prefill and a serving mix (1x4096 prefill + 64 decodes at 4096) for this kernel's
+   default variant (NHD, HND) and, on 4x4096 and the mix, its other variants (NHD); the
+   Pallas-Triton kernel (``kvjax.unified_attention(impl="pallas")``), and on dense KV JAX's
+   ``attention_mgpu`` (float16: it stages q/k/v in float16 buffers), cuDNN
+   (``jax.nn.dot_product_attention``) and torch SDPA (``enable_gqa=True``).
+   FLOPs = 4 * (visible query-key pairs) * Hq * D.
 
 Each part runs in a child process with a time limit, so a hang (a barrier deadlock) or a
 crash costs that part only; the parent prints what the child reported before it stopped.
@@ -31,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PARTS = {"checks": 90, "bench": 140}     # seconds each part may take
+PARTS = {"checks": 120, "bench": 105}    # seconds each part may take
 PREFIX = "@@"                             # result lines the parent collects
 
 
@@ -90,7 +94,7 @@ def visible_pairs(q_lens, ctx_lens):
   return sum(int(q) * int(c) + int(q) * (int(q) + 1) // 2 for q, c in zip(q_lens, ctx_lens))
 
 
-def ours_fn(spec, scale, max_query_len, geometry=None, **kw):
+def ours_fn(spec, scale, max_query_len, geometry=None, pv=None, **kw):
   import jax
   from pallas_kernels.mosaic_gpu.ragged_attention import ragged_paged_attention_tiled
 
@@ -98,7 +102,8 @@ def ours_fn(spec, scale, max_query_len, geometry=None, **kw):
   def f(q, cache, qsl, sl, bt):
     return ragged_paged_attention_tiled(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
                                         block_table=bt, scale=scale,
-                                        max_query_len=max_query_len, geometry=geometry, **kw)
+                                        max_query_len=max_query_len, geometry=geometry,
+                                        pv=pv, **kw)
   return f
 
 
@@ -141,6 +146,16 @@ CHECKS = [
 ]
 
 
+def cuda_info() -> dict:
+  """CUDA runtime / driver versions JAX sees (ptxas comes with the runtime's toolkit)."""
+  try:
+    from jax._src.lib import cuda_versions
+    return dict(cuda_runtime=cuda_versions.cuda_runtime_get_version(),
+                cuda_driver=cuda_versions.cuda_driver_get_version())
+  except Exception as e:  # noqa: BLE001 - informational only
+    return dict(cuda_versions=first_lines(e, 1))
+
+
 def run_checks():
   import jax
   import jax.numpy as jnp
@@ -148,11 +163,12 @@ def run_checks():
   import kvjax
   from kvjax.reference import unified_attention as ref_attention
   from pallas_kernels.mosaic_gpu.ragged_attention import supports_attention
+  from pallas_kernels.mosaic_gpu.tiles import DEFAULT_PV, PV_VARIANTS
   spec0 = kvjax.KVCacheSpec(8, 128, 16, dtype=jnp.bfloat16)
-  emit("info", supports=supports_attention(spec0, jnp.bfloat16), device=str(jax.devices()[0]))
+  emit("info", supports=supports_attention(spec0, jnp.bfloat16), device=str(jax.devices()[0]),
+       default_pv=DEFAULT_PV, **cuda_info())
   rng = np.random.default_rng(0)
   for name, layout, h, g, d, n, ql, cl, pad, kw in CHECKS:
-    t0 = time.time()
     kw = dict(kw)
     dtype = jnp.dtype(kw.pop("dtype", "bfloat16"))
     mql = kw.pop("max_query_len", max(ql))
@@ -162,21 +178,28 @@ def run_checks():
       if kw.pop("sinks", False):
         kw["sinks"] = jnp.asarray(rng.standard_normal(h * g) * 2, jnp.float32)
       scale = d ** -0.5
-      out = ours_fn(spec, scale, mql, **kw)(q, cache, qsl, sl, bt)
-      o = np.asarray(jax.block_until_ready(out), np.float32)
       r = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, scale=scale, **kw))(
           q, cache, query_start_loc=qsl, seq_lens=sl, block_table=bt), np.float32)
-      real = int(np.sum(ql))
-      err = float(np.max(np.abs(o[:real] - r[:real]))) if real else 0.0
-      mag = float(np.max(np.abs(r))) if r.size else 0.0
-      pad_zero = bool(np.all(o[real:] == 0))
-      finite = bool(np.isfinite(o).all())
-      ok = finite and pad_zero and err <= 2e-2 * max(mag, 1e-3)
-      emit("check", name=name, max_err=err, ref_max=mag, padding_zero=pad_zero,
-           finite=finite, ok=ok, seconds=round(time.time() - t0, 1))
     except Exception as e:  # noqa: BLE001 - report and go on with the next case
-      emit("check", name=name, ok=False, error=first_lines(e),
-           seconds=round(time.time() - t0, 1))
+      for pv in PV_VARIANTS:
+        emit("check", name=name, pv=pv, ok=False, error="setup: " + first_lines(e))
+      continue
+    real = int(np.sum(ql))
+    mag = float(np.max(np.abs(r))) if r.size else 0.0
+    for pv in PV_VARIANTS:
+      t0 = time.time()
+      try:
+        out = ours_fn(spec, scale, mql, pv=pv, **kw)(q, cache, qsl, sl, bt)
+        o = np.asarray(jax.block_until_ready(out), np.float32)
+        err = float(np.max(np.abs(o[:real] - r[:real]))) if real else 0.0
+        pad_zero = bool(np.all(o[real:] == 0))
+        finite = bool(np.isfinite(o).all())
+        ok = finite and pad_zero and err <= 2e-2 * max(mag, 1e-3)
+        emit("check", name=name, pv=pv, max_err=err, ref_max=mag, padding_zero=pad_zero,
+             finite=finite, ok=ok, seconds=round(time.time() - t0, 1))
+      except Exception as e:  # noqa: BLE001 - report and go on
+        emit("check", name=name, pv=pv, ok=False, error=first_lines(e),
+             seconds=round(time.time() - t0, 1))
 
 
 # -- part 2: speed -----------------------------------------------------------------------------
@@ -191,7 +214,8 @@ def run_bench(smoke: bool = False):
   import jax.numpy as jnp
   import numpy as np
   import kvjax
-  from benchmarks.common import time_jax, time_torch
+  from benchmarks.common import time_jax
+  from pallas_kernels.mosaic_gpu.tiles import DEFAULT_PV, PV_VARIANTS
   rng = np.random.default_rng(1)
   scale = D ** -0.5
 
@@ -206,7 +230,7 @@ def run_bench(smoke: bool = False):
   problems = [(f"{s}x{L} causal prefill", [L] * s, [0] * s) for s, L in prefills]
   problems.append((f"1x{mix[0][0]} prefill + {len(mix[0]) - 1} decodes at {mix[1][1]}", *mix))
   timing = dict(reps=1, inner=1, warmup=1) if smoke else {}
-  for problem, ql, cl in problems:
+  for k, (problem, ql, cl) in enumerate(problems):
     flops = 4 * visible_pairs(ql, cl) * HQ * D
     mql = max(ql)
     for layout in ("NHD", "HND"):
@@ -216,24 +240,30 @@ def run_bench(smoke: bool = False):
         f = triton_fn(spec, scale, mql)
         timed("Pallas-Triton (kvjax) NHD", problem, lambda: time_jax(f, *args, **timing), flops)
       f = ours_fn(spec, scale, mql)
-      timed(f"Mosaic GPU (ours) {layout}", problem, lambda: time_jax(f, *args, **timing), flops)
+      timed(f"Mosaic GPU (ours, {DEFAULT_PV}) {layout}", problem,
+            lambda: time_jax(f, *args, **timing), flops)
+      if layout == "NHD" and k in (0, len(problems) - 1):    # the other variants
+        for pv in PV_VARIANTS:
+          if pv != DEFAULT_PV:
+            f = ours_fn(spec, scale, mql, pv=pv)
+            timed(f"Mosaic GPU (ours, {pv}) NHD", problem,
+                  lambda: time_jax(f, *args, **timing), flops)
       del args
     if len(set(ql)) == 1:          # dense baselines: equal-length causal prefills
       dense_baselines(timed, problem, len(ql), ql[0], flops)
-  # Tile sweep of this kernel on the first problem (NHD): bq, consumer warpgroups, keys per
-  # step, K/V slots. The default (tiles.choose_geometry) is the 128 x 2 / 2-slot row.
+  # Tile sweep of the default variant on the first problem (NHD): bq, consumer warpgroups,
+  # keys per step, K/V slots; the default tile (tiles.choose_geometry) is bq=32 wgs=2 bk=128.
   from pallas_kernels.mosaic_gpu.tiles import TileGeometry
   problem, ql, cl = problems[0]
   flops = 4 * visible_pairs(ql, cl) * HQ * D
   spec = kvjax.KVCacheSpec(H, D, N, dtype=jnp.bfloat16)
   args = paged_batch(rng, spec, ql, cl, HQ, fill="random")
   g = HQ // H
-  for bq, wgs, bk, stages in ((32, 2, 64, 4), (32, 2, 64, 3), (32, 2, 128, 2),
-                              (16, 1, 128, 3), (16, 1, 64, 4)):
+  for bq, wgs, bk, stages in ((32, 2, 64, 4), (16, 1, 128, 2)):
     geo = TileGeometry(g, bq, wgs, bk, stages, N)
     f = ours_fn(spec, scale, max(ql), geometry=geo)
-    timed(f"Mosaic GPU (ours) NHD bq={bq} wgs={wgs} bk={bk} stages={stages}", problem,
-          lambda: time_jax(f, *args, **timing), flops)
+    timed(f"Mosaic GPU (ours, {DEFAULT_PV}) NHD bq={bq} wgs={wgs} bk={bk} stages={stages}",
+          problem, lambda: time_jax(f, *args, **timing), flops)
 
 
 def dense_baselines(timed, problem, s, L, flops):
@@ -245,11 +275,12 @@ def dense_baselines(timed, problem, s, L, flops):
   k = jax.random.normal(jax.random.PRNGKey(1), (s, L, H, D), jnp.bfloat16)
   v = jax.random.normal(jax.random.PRNGKey(2), (s, L, H, D), jnp.bfloat16)
 
-  def mgpu():
+  def mgpu():   # its kernel stages q/k/v in float16 shared-memory buffers: float16 inputs
     from jax.experimental.pallas.ops.gpu import attention_mgpu as am
     cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
     f = jax.jit(functools.partial(am.attention, config=cfg))
-    return time_jax(f, q, k, v)
+    f16 = [x.astype(jnp.float16) for x in (q, k, v)]
+    return time_jax(f, *f16)
   timed("JAX attention_mgpu (dense KV)", problem, mgpu, flops)
 
   def cudnn():
@@ -314,9 +345,10 @@ def iter_lines(proc, deadline):
 
 def describe(row) -> str:
   if row["kind"] == "check":
+    head = f"[check] {row['pv']:>12} | {row['name']}"
     if "error" in row:
-      return f"[check] {row['name']}: FAIL {row['error']}"
-    return (f"[check] {row['name']}: max err {row['max_err']:.2e} (ref max {row['ref_max']:.2f}),"
+      return f"{head}: FAIL {row['error']}"
+    return (f"{head}: max err {row['max_err']:.2e} (ref max {row['ref_max']:.2f}),"
             f" padding zero {row['padding_zero']} -> {'PASS' if row['ok'] else 'FAIL'}"
             f" [{row['seconds']} s]")
   if row["kind"] == "bench":
@@ -353,10 +385,29 @@ def main():
     result["rows"] += rows
   checks = [r for r in result["rows"] if r["kind"] == "check"]
   bench = [r for r in result["rows"] if r["kind"] == "bench" and "error" not in r]
-  print("\n| check | max err / ref max | result |\n|---|---|---|")
-  for r in checks:
-    rel = "-" if "error" in r else f"{r['max_err']:.2e} / {r['ref_max']:.2f}"
-    print(f"| {r['name']} | {rel} | {'PASS' if r['ok'] else 'FAIL'} |")
+  variants = list(dict.fromkeys(r["pv"] for r in checks))
+  names = list(dict.fromkeys(r["name"] for r in checks))
+  print("\nmax err / ref max, per acc += P V variant\n| check | " + " | ".join(variants) + " |")
+  print("|---|" + "---|" * len(variants))
+  for name in names:
+    cells = []
+    for pv in variants:
+      hit = [r for r in checks if r["name"] == name and r["pv"] == pv]
+      if not hit:
+        cells.append("missing")
+      elif "error" in hit[0]:
+        cells.append("FAIL (error)")
+      else:
+        r = hit[0]
+        cells.append(f"{r['max_err']:.2e} / {r['ref_max']:.2f} {'PASS' if r['ok'] else 'FAIL'}")
+    print(f"| {name} | " + " | ".join(cells) + " |")
+  for pv in variants:
+    rows = [r for r in checks if r["pv"] == pv]
+    n_pass = sum(r["ok"] for r in rows)
+    print(f"variant {pv}: {n_pass}/{len(names)} checks PASS")
+  good = [pv for pv in variants
+          if sum(r["ok"] for r in checks if r["pv"] == pv) == len(CHECKS)]
+  print(f"VARIANTS PASSING EVERY CHECK: {', '.join(good) if good else 'none'}")
   impls = list(dict.fromkeys(r["impl"] for r in bench))
   problems = list(dict.fromkeys(r["problem"] for r in bench))
   print("\nTFLOP/s (ms)\n| implementation | " + " | ".join(problems) + " |")
@@ -367,8 +418,7 @@ def main():
       hit = [r for r in bench if r["impl"] == impl and r["problem"] == p]
       cells.append(f"{hit[0]['tflops']:.0f} ({hit[0]['ms']:.2f})" if hit else "-")
     print(f"| {impl} | " + " | ".join(cells) + " |")
-  n_ok = sum(r["ok"] for r in checks)
-  print(f"\nchecks: {n_ok}/{len(checks)} PASS; total {time.time() - t0:.0f} s", flush=True)
+  print(f"\ntotal {time.time() - t0:.0f} s", flush=True)
   if os.environ.get("OUT"):
     path = os.path.join(os.environ["OUT"], "mosaic_gpu.json")
     with open(path, "w") as fh:

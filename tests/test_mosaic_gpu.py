@@ -9,6 +9,7 @@
   0.10.2's interpreter lacks out-of-bounds TMA reads and transposed wgmma operands), so CI on
   0.10.2 skips it; ``benchmarks/check_mosaic_gpu.py`` runs the compiled kernel on an H200.
 """
+import dataclasses
 import functools
 
 import jax
@@ -22,8 +23,9 @@ from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
 from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
-from pallas_kernels.mosaic_gpu.ragged_attention import (ragged_paged_attention, spec_reason,
-                                                        supports_attention)
+from pallas_kernels.mosaic_gpu.ragged_attention import (ragged_paged_attention,
+                                                        ragged_paged_attention_tiled,
+                                                        spec_reason, supports_attention)
 
 
 # -- tile geometry -----------------------------------------------------------------------------
@@ -44,6 +46,24 @@ def test_geometry_slabs_cover_each_head_once(head_size, max_query_len):
         rows |= set(range(sl.row, sl.row + sl.n))
         seen |= {(sl.g, t) for t in range(sl.tok, sl.tok + sl.n)}
     assert seen == {(g, t) for g in range(group) for t in range(geo.bq)}, (group, geo)
+
+
+@pytest.mark.parametrize("pv", TL.PV_VARIANTS)
+def test_geometry_fits_shared_memory_with_each_pv_variant(pv):
+  for head_size in (64, 128, 256):
+    for group in range(1, TL.max_group(head_size) + 1):
+      geo = TL.choose_geometry(group, head_size, 16, 4096, pv=pv)
+      assert geo.smem_bytes(head_size, 2, pv) <= TL.SMEM_BUDGET, (pv, geo)
+      assert geo.smem_bytes(head_size, 2, pv) >= geo.smem_bytes(head_size, 2, TL.PV_REGS)
+
+
+def test_pv_variant_is_checked():
+  spec = kvjax.KVCacheSpec(2, 64, 16, dtype=jnp.bfloat16)
+  i32 = functools.partial(jnp.zeros, dtype=jnp.int32)
+  args = dict(query_start_loc=i32(2), seq_lens=i32(1), block_table=i32((1, 4)), scale=0.1)
+  with pytest.raises(ValueError, match="pv must be one of"):
+    ragged_paged_attention(jnp.zeros((4, 4, 64), jnp.bfloat16), spec.allocate(4), spec,
+                           pv="p_magic", **args)
 
 
 def test_geometry_pieces_never_straddle_a_page():
@@ -138,8 +158,10 @@ LOWER_CASES = [
 ]
 
 
+@pytest.mark.parametrize("pv", TL.PV_VARIANTS)
 @pytest.mark.parametrize("layout,group,head_size,num_tokens,max_query_len,kw", LOWER_CASES)
-def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max_query_len, kw):
+def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max_query_len, kw,
+                                       pv):
   spec = kvjax.KVCacheSpec(2, head_size, 16, layout=layout, dtype=jnp.bfloat16)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   q = jax.ShapeDtypeStruct((num_tokens, 2 * group, head_size), jnp.bfloat16)
@@ -150,7 +172,7 @@ def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max
 
   def f(q, c, qsl, sl, bt):
     return ragged_paged_attention(q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
-                                  scale=0.1, max_query_len=max_query_len, **kw)
+                                  scale=0.1, max_query_len=max_query_len, pv=pv, **kw)
   text = export.export(jax.jit(f), platforms=["cuda"])(q, cache, i32(5), i32(4),
                                                          i32(4, 8)).mlir_module()
   assert "mosaic_gpu" in text
@@ -190,7 +212,9 @@ def _nan_poisoned_batch(rng, spec, hq, q_lens, ctx_lens, pad):
 
 
 INTERPRET_CASES = [
-    # layout, H, G, D, N, q_lens, ctx_lens, pad, max_query_len, kwargs
+    # layout, H, G, D, N, q_lens, ctx_lens, pad, max_query_len, kwargs ("stages": force the
+    # number of K/V slots, so that tiles with more key steps than slots reuse them)
+    ("NHD", 1, 2, 64, 16, [40, 1], [300, 290], 0, 64, dict(stages=2)),
     ("NHD", 1, 4, 64, 16, [20, 1, 0, 9], [0, 40, 8, 17], 3, 32, {}),
     ("HND", 1, 7, 64, 32, [18, 1, 5], [3, 70, 0], 2, 32,
      dict(sliding_window=20, soft_cap=5.0, sinks=True)),
@@ -207,10 +231,14 @@ def test_interpret_matches_reference(rng, layout, h, group, head_size, block_siz
   spec = kvjax.KVCacheSpec(h, head_size, block_size, layout=layout, dtype=jnp.bfloat16)
   q, cache, qsl, sl, bt = _nan_poisoned_batch(rng, spec, h * group, q_lens, ctx_lens, pad)
   kw = dict(kw, scale=head_size ** -0.5)
+  geo = TL.choose_geometry(group, head_size, block_size, mql)
+  if "stages" in kw:
+    geo = dataclasses.replace(geo, stages=kw.pop("stages"))
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray(rng.standard_normal(h * group) * 2, jnp.float32)
-  out = ragged_paged_attention(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
-                               block_table=bt, max_query_len=mql, interpret=True, **kw)
+  out = ragged_paged_attention_tiled(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
+                                     block_table=bt, max_query_len=mql, interpret=True,
+                                     geometry=geo, **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
   o = np.asarray(out, np.float32)
   r = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, **kw))(

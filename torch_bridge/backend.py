@@ -13,6 +13,17 @@ JAX -> torch; the host never blocks).
 CPU: JAX cannot donate an imported buffer (it would copy), so the new cache is
 computed out of place and copied back into the torch tensor (a whole-cache copy per
 update: fine for tests, not for serving); calls return after JAX has finished.
+
+Compiled programs: one per (token count, sequence bucket, block-table width bucket,
+query-length bucket) for ``forward`` and one per key row count for
+``do_kv_cache_update`` (see :mod:`torch_bridge.jitted`): the metadata is padded with
+zero-length sequences and unread block-table columns, the write's slots with -1.
+
+Matmul precision: with a float32 model the JAX computation follows
+``torch.get_float32_matmul_precision()`` at each call ("highest", torch's default:
+true float32; "high": tensorfloat32; "medium": bfloat16), as torch's own float32
+matmuls would; bfloat16 / float16 models keep JAX's setting. kvjax's JAX API itself
+follows JAX's setting (``jax.default_matmul_precision`` / ``JAX_DEFAULT_MATMUL_PRECISION``).
 """
 from __future__ import annotations
 
@@ -148,22 +159,26 @@ class PagedAttentionBackend:
     return cx
 
   def _cache(self, kv_cache) -> torch.Tensor:
-    """The storage-typed physical tensor of ``kv_cache`` (validated once per tensor; its
-    storage checked every call)."""
+    """The storage-typed physical tensor of ``kv_cache``: validated once per tensor identity
+    (address, shape, strides, dtype); its storage's size checked every call (O(1))."""
     if isinstance(kv_cache, torch.Tensor):
+      key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+      hit = self._caches.get(key)
+      if hit is not None:
+        phys, need = hit
+        st = kv_cache.untyped_storage()
+        if st.nbytes() < need or st.data_ptr() == 0:
+          checks.check_storage(kv_cache, need=need)      # raises, naming the sizes
+        return phys
       checks.check_storage(kv_cache)
-    key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype) \
-        if isinstance(kv_cache, torch.Tensor) else None
-    phys = self._caches.get(key)
-    if phys is None:
-      phys = L.physical_tensor(kv_cache, self.spec)
-      if phys.ndim != 4:
-        raise ValueError("pass one layer's 4-D cache (index the layers dim first)")
-      phys = D.storage_typed(phys, self.spec)
-      L.check_shareable(phys)
-      if len(self._caches) >= 64:
-        self._caches.clear()
-      self._caches[key] = phys
+    phys = L.physical_tensor(kv_cache, self.spec)
+    if phys.ndim != 4:
+      raise ValueError("pass one layer's 4-D cache (index the layers dim first)")
+    phys = D.storage_typed(phys, self.spec)
+    L.check_shareable(phys)
+    if len(self._caches) >= 64:
+      self._caches.clear()
+    self._caches[key] = (phys, checks.storage_bytes_needed(kv_cache))
     return phys
 
   def _check_tokens(self, name, x, heads):
@@ -188,6 +203,14 @@ class PagedAttentionBackend:
     return ("reference" if self.impl == "auto" else self.impl,
             True if self.interpret is None else self.interpret)
 
+  def _precision(self):
+    """The matmul precision the jitted functions are traced with: for a float32 model,
+    torch's ``get_float32_matmul_precision()`` ("highest" -> true float32, "high" ->
+    tensorfloat32, "medium" -> bfloat16); for other dtypes None (JAX's own setting)."""
+    if self.dtype != torch.float32:
+      return None
+    return jitted.TORCH_TO_JAX_PRECISION[torch.get_float32_matmul_precision()]
+
   def _const(self, cx, value):
     key = (cx.device, value)
     arr = self._consts.get(key)
@@ -196,21 +219,30 @@ class PagedAttentionBackend:
     return arr
 
   def _scales(self, cx, k_scale, v_scale):
+    """Checked global scales, as float32 tensors on ``cx``'s device or floats (torch work:
+    call before the fence); None, None for formats without global scales (kvjax ignores
+    them there too)."""
     if not self._tensor_scales:
-      return None, None        # formats without global scales ignore them (as kvjax does)
+      return None, None
     checks.check_scales(self.spec, k_scale, v_scale, self.check_cuda_inputs)
     return self._scale(cx, "k_scale", k_scale), self._scale(cx, "v_scale", v_scale)
 
   def _scale(self, cx, name, s):
-    if s is None:
-      return None
+    if s is None or isinstance(s, (int, float)):
+      return s
     if isinstance(s, torch.Tensor):
       if s.dtype != torch.float32 or s.device != cx.device:
         s = s.to(device=cx.device, dtype=torch.float32)
-      return cx.view(s.contiguous(), zero_copy=False)
-    if isinstance(s, (int, float)):
-      return self._const(cx, float(s))
+      return s.contiguous()
     raise TypeError(f"{name} must be None, a float or a torch.Tensor, got {type(s).__name__}")
+
+  def _scale_array(self, cx, s):
+    """A scale from :meth:`_scales` as a JAX array (after the fence)."""
+    if s is None:
+      return None
+    if isinstance(s, torch.Tensor):
+      return cx.view(s, zero_copy=False)
+    return self._const(cx, float(s))
 
   def _sinks(self, cx):
     if self.sinks is None:
@@ -221,17 +253,19 @@ class PagedAttentionBackend:
       arr = self._consts[key] = jax.device_put(jnp.asarray(self.sinks), cx.jax_device)
     return arr
 
-  def _slots(self, cx, slot_mapping, num_slots: int):
+  def _slots(self, slot_mapping, num_slots: int, num_rows: int) -> torch.Tensor:
+    """int32 slots padded with -1 to ``num_rows`` (the key's rows): writes compile once per
+    key row count, whatever the number of real tokens (vLLM passes the slots unpadded)."""
     if not isinstance(slot_mapping, torch.Tensor):
       raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
     if slot_mapping.ndim != 1:
       raise ValueError(f"slot_mapping must be 1-D, got shape {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
       raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    slots = checks.slots_int32(slot_mapping, num_slots, self.check_cuda_inputs)
-    if slots is slot_mapping:
-      return cx.view(slots, zero_copy=False)
-    return cx.fresh(slots)   # a converted copy: never kept
+    if slot_mapping.shape[0] > num_rows:
+      raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots but key has {num_rows} "
+                       "tokens")
+    return checks.slots_int32(slot_mapping, num_slots, self.check_cuda_inputs, num_rows)
 
   def _copy_back(self, cx, phys, new):
     """CPU (or a CUDA write XLA did not alias): copy JAX's new cache into torch's buffer."""
@@ -249,17 +283,18 @@ class PagedAttentionBackend:
     value = self._check_tokens("value", value, h)
     phys = self._cache(kv_cache)
     cx = self._crossing(key.device)
-    cx.fence()
-    k, v = cx.fresh(key), cx.fresh(value)
-    slots = self._slots(cx, slot_mapping, phys.shape[0] * self.spec.block_size)
-    if slots.shape[0] > k.shape[0]:
-      raise ValueError(f"slot_mapping has {slots.shape[0]} slots but key has {k.shape[0]} tokens")
+    slots_t = self._slots(slot_mapping, phys.shape[0] * self.spec.block_size, key.shape[0])
     ks, vs = self._scales(cx, k_scale, v_scale)
+    cx.fence()                 # after every torch op above, before every import below
+    k, v = cx.fresh(key), cx.fresh(value)
+    slots = cx.view(slots_t, zero_copy=False) if slots_t is slot_mapping else cx.fresh(slots_t)
     cache = cx.view(phys)
-    fn = self._write.get(cx.is_cuda)
+    prec = self._precision()
+    fn = self._write.get((cx.is_cuda, prec))
     if fn is None:
-      fn = self._write[cx.is_cuda] = jitted.write_fn(self.spec, *self._impl(cx), cx.is_cuda)
-    new = fn(cache, k, v, slots, ks, vs)
+      fn = self._write[(cx.is_cuda, prec)] = jitted.write_fn(self.spec, *self._impl(cx),
+                                                            cx.is_cuda, prec)
+    new = fn(cache, k, v, slots, self._scale_array(cx, ks), self._scale_array(cx, vs))
     if not cx.is_cuda:
       self._copy_back(cx, phys, new)
       return None
@@ -290,21 +325,25 @@ class PagedAttentionBackend:
       raise ValueError(f"output has {out.shape[0]} tokens, query {q.shape[0]}")
     phys = self._cache(kv_cache)
     cx = self._crossing(q.device)
-    cx.fence()
-    metadata.check_values(q.shape[0], phys.shape[0], self.spec.block_size,
-                          self.check_cuda_inputs)
-    qj = cx.fresh(q)
-    qsl, sl, bt = metadata.jax_arrays(cx)
+    t = q.shape[0]
+    metadata.check_values(t, phys.shape[0], self.spec.block_size, self.check_cuda_inputs)
+    mql = metadata.padded(t)[3]          # torch work (padding), once per metadata and T
+    if not q.is_contiguous():
+      q = q.contiguous()
     ks, vs = self._scales(cx, k_scale, v_scale)
-    mql = jitted.query_len_bucket(metadata.max_query_len, q.shape[0])
+    cx.fence()                           # after every torch op above, before every import
+    qj = cx.fresh(q)
+    qsl, sl, bt = metadata.jax_arrays(cx, t)
     donate = cx.is_cuda and self.output_mode == "donate" and out.is_contiguous()
-    fkey = (mql, metadata.causal, donate, cx.is_cuda)
+    prec = self._precision()
+    fkey = (mql, metadata.causal, donate, cx.is_cuda, prec)
     fn = self._attn.get(fkey)
     if fn is None:
       fn = self._attn[fkey] = jitted.attention_fn(
           self.spec, self.scale, metadata.causal, self.sliding_window, self.soft_cap, mql,
-          *self._impl(cx), donate)
-    args = (qj, cx.view(phys), qsl, sl, bt, self._sinks(cx), ks, vs)
+          *self._impl(cx), donate, prec)
+    args = (qj, cx.view(phys), qsl, sl, bt, self._sinks(cx), self._scale_array(cx, ks),
+            self._scale_array(cx, vs))
     if not donate:
       out.copy_(cx.to_torch(fn(*args)))
       return output

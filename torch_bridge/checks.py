@@ -34,17 +34,22 @@ def saturate_int32(t: torch.Tensor) -> torch.Tensor:
   return t.clamp(_I32.min, _I32.max).to(torch.int32)
 
 
-def slots_int32(slot_mapping: torch.Tensor, num_slots: int, on_cuda: bool) -> torch.Tensor:
+def slots_int32(slot_mapping: torch.Tensor, num_slots: int, on_cuda: bool,
+                length: Optional[int] = None) -> torch.Tensor:
   """int32 slots, checked (< num_slots) where readable. Wider slots outside
   ``[0, num_slots)`` become -1 before the narrowing (kvjax's rule, ``kvjax.slots``):
-  ``.to(torch.int32)`` alone would wrap -(2**32) + 5 (a skip) to slot 5."""
+  ``.to(torch.int32)`` alone would wrap -(2**32) + 5 (a skip) to slot 5.
+  ``length``: pad with -1 (skips) to this many slots (a new tensor when padded)."""
   host = host_values(slot_mapping, on_cuda)
   if host is not None:
     V.check_slot_values("slot_mapping", host, num_slots, negative_ok=True)
-  if slot_mapping.dtype == torch.int32:
-    return slot_mapping
-  inside = (slot_mapping >= 0) & (slot_mapping < num_slots)
-  return torch.where(inside, slot_mapping, -1).to(torch.int32)
+  if slot_mapping.dtype != torch.int32:
+    inside = (slot_mapping >= 0) & (slot_mapping < num_slots)
+    slot_mapping = torch.where(inside, slot_mapping, -1).to(torch.int32)
+  extra = 0 if length is None else length - slot_mapping.shape[0]
+  if extra > 0:
+    slot_mapping = torch.nn.functional.pad(slot_mapping, (0, extra), value=-1)
+  return slot_mapping
 
 
 def check_scales(spec: KVCacheSpec, k_scale, v_scale, on_cuda: bool):
@@ -54,16 +59,24 @@ def check_scales(spec: KVCacheSpec, k_scale, v_scale, on_cuda: bool):
   V.check_scales(spec, host(k_scale), host(v_scale))
 
 
-def check_storage(tensor: torch.Tensor, name: str = "kv_cache"):
+def storage_bytes_needed(tensor: torch.Tensor) -> int:
+  """Bytes of its storage that ``tensor`` addresses (from the storage's start)."""
+  if not tensor.numel():
+    return 0
+  last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+  return (last + 1) * tensor.element_size()
+
+
+def check_storage(tensor: torch.Tensor, name: str = "kv_cache", need: Optional[int] = None):
   """The tensor's storage still holds every element it addresses.
 
   A storage resized in place (``untyped_storage().resize_``, ``resize_``) frees the
   memory that imported JAX arrays point at; refuse it instead of reading freed memory.
+  ``need``: :func:`storage_bytes_needed` of the tensor, when the caller kept it (O(1)).
   """
   storage = tensor.untyped_storage()
-  last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape,
-                                                                     tensor.stride()))
-  need = (last + 1) * tensor.element_size() if tensor.numel() else 0
+  if need is None:
+    need = storage_bytes_needed(tensor)
   if storage.nbytes() < need or (need and storage.data_ptr() == 0):
     raise ValueError(f"{name}'s storage was resized or freed: it holds {storage.nbytes()} bytes, "
                      f"the tensor addresses {need}. A cache must keep its memory while the "

@@ -7,6 +7,7 @@ import torch
 
 from kvjax import validation as V
 from torch_bridge import checks
+from torch_bridge import jitted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,10 +24,11 @@ class PagedAttentionMetadata:
     causal: decoder self-attention (vLLM's default).
 
   The facade checks the values (CPU tensors; CUDA ones with
-  ``check_cuda_inputs=True``) and imports the tensors into JAX once per metadata
-  object (on the first layer that uses it) and reuses both for the other layers:
-  treat the tensors as read-only once the metadata is built, as vLLM does within a
-  step. int64 values are narrowed to int32 by saturation, never wrapped.
+  ``check_cuda_inputs=True``), pads them to shape buckets (:meth:`padded`) and imports
+  them into JAX once per metadata object (on the first layer that uses it) and reuses
+  all of it for the other layers: treat the tensors as read-only once the metadata is
+  built, as vLLM does within a step. int64 values are narrowed to int32 by
+  saturation, never wrapped.
   """
   query_start_loc: torch.Tensor
   seq_lens: torch.Tensor
@@ -57,6 +59,7 @@ class PagedAttentionMetadata:
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     object.__setattr__(self, "_jax", {})
+    object.__setattr__(self, "_padded", {})
     object.__setattr__(self, "_checked", set())
 
   def check_values(self, num_tokens: int, num_blocks: int, block_size: int, on_cuda: bool):
@@ -74,13 +77,41 @@ class PagedAttentionMetadata:
                                block_size=block_size, max_query_len=self.max_query_len)
     self._checked.add(key)
 
-  def jax_arrays(self, crossing):
-    """(query_start_loc, seq_lens, block_table) as int32 JAX arrays, imported once per device."""
-    key = (crossing.device, crossing.mode)
+  def padded(self, num_tokens: int):
+    """``(query_start_loc, seq_lens, block_table, max_query_len bucket)`` for T query rows.
+
+    int32 torch tensors on the metadata's device, padded so that a serving run compiles
+    few programs (:mod:`torch_bridge.jitted`'s buckets): sequences up to
+    ``num_seqs_bucket(S, T)`` with zero-length entries (``query_start_loc`` repeats its
+    last value, ``seq_lens`` 0: no query row, no KV read), block-table columns up to
+    ``table_width_bucket(M)`` (block 0, never read). Built once per T (torch ops on the
+    tensors' stream); the unpadded tensors are returned as they are when no padding is due.
+    """
+    got = self._padded.get(num_tokens)
+    if got is not None:
+      return got
+    qsl, sl, bt = (checks.saturate_int32(getattr(self, n))
+                   for n in ("query_start_loc", "seq_lens", "block_table"))
+    s, m = bt.shape
+    extra_s = jitted.num_seqs_bucket(s, num_tokens) - s
+    extra_m = jitted.table_width_bucket(m) - m
+    if extra_s:
+      qsl = torch.cat([qsl, qsl[-1:].expand(extra_s)])
+      sl = torch.nn.functional.pad(sl, (0, extra_s), value=0)
+    if extra_s or extra_m:
+      bt = torch.nn.functional.pad(bt, (0, extra_m, 0, extra_s), value=0)
+    got = (qsl, sl, bt, jitted.query_len_bucket(self.max_query_len, num_tokens))
+    self._padded[num_tokens] = got
+    return got
+
+  def jax_arrays(self, crossing, num_tokens: int):
+    """The :meth:`padded` tensors for T query rows as JAX arrays, imported once per device.
+
+    Call :meth:`padded` before the crossing's fence (the padding is torch work the
+    imports must be ordered after)."""
+    key = (crossing.device, crossing.mode, num_tokens)
     arrays = self._jax.get(key)
     if arrays is None:
-      arrays = tuple(crossing.fresh(checks.saturate_int32(getattr(self, n)))
-                     for n in ("query_start_loc", "seq_lens", "block_table"))
+      arrays = tuple(crossing.fresh(t) for t in self.padded(num_tokens)[:3])
       self._jax[key] = arrays
     return arrays
-

@@ -7,12 +7,15 @@ One CUDA block per (KV head, query tile) (:mod:`pallas_kernels.mosaic_gpu.tiles`
   per step, reads the block ids from the block table and issues one TMA copy per
   ``piece`` tokens for K and for V of this KV head straight out of the packed cache
   (NHD: an ``(piece, D)`` box with rows ``H * 2D`` apart; HND: rows ``2D`` apart), into
-  ``stages`` shared-memory slots; it reuses a slot once every consumer has released it;
+  ``stages`` shared-memory slots; it reuses a slot once every consumer has released it,
+  and at the end waits for the last releases too (so every barrier phase is observed, which
+  interpret mode checks);
 * each **consumer** warpgroup owns 64 rows of the tile: it loads its q slabs by TMA once,
   then per step waits for the K slot, computes ``S = q K^T`` with wgmma (float32
   accumulators in registers), releases K, applies scale, soft cap and the causal / window /
   sequence-end mask (only on steps that cross an edge), updates the online softmax in the
-  exp2 domain, waits for V, and accumulates ``P V`` with wgmma (P in registers as q's dtype).
+  exp2 domain, waits for V, and accumulates ``P V`` with wgmma (``tiles.PV_VARIANTS``: P
+  in registers or through shared memory, accumulated in place or into a fresh accumulator).
 
 Keys past the sequence end in the last step are whatever the cache holds there (stale
 bytes, NaN): their scores are selected away, and the V rows of that step past the end are
@@ -57,6 +60,14 @@ class KernelStatics:
   scale: float
   dtype: object              # q / cache element dtype (16-bit)
   interpret: bool = False    # Mosaic GPU interpret mode (CPU)
+  pv: str = TL.DEFAULT_PV      # one of tiles.PV_VARIANTS
+
+  def __post_init__(self):
+    if self.pv not in TL.PV_VARIANTS:
+      raise ValueError(f"pv variant {self.pv!r} is not one of {TL.PV_VARIANTS}")
+    if self.interpret and self.pv != TL.PV_SMEM_FRESH:
+      raise ValueError(f"interpret mode runs only the {TL.PV_SMEM_FRESH!r} variant, got "
+                       f"{self.pv!r}")
 
 
 def _smem_tiled(shape, dtype):
@@ -172,7 +183,8 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
             v_ref[...] = jnp.where(keep, v_ref[...], 0).astype(st.dtype)
           plgpu.commit_smem()
 
-      acc = _accumulate_pv(acc, p16, v_smem.at[slot], None if p_smem is None else p_smem.at[wg])
+      acc = _accumulate_pv(acc, p16, v_smem.at[slot],
+                           None if p_smem is None else p_smem.at[wg], st.pv)
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
@@ -221,27 +233,38 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
       plgpu.barrier_wait(v_free.at[slot])
       issue(i, slot, 1, v_bars)
 
+    @pl.loop(jnp.maximum(num_steps - geo.stages, 0), num_steps)
+    def _drain(i):   # the last `stages` releases: no barrier phase is left unobserved
+      slot = lax.rem(i, geo.stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
 
-def _accumulate_pv(acc, p16, v_ref, p_ref):
-  """``acc + p16 @ v_ref`` with wgmma.
 
-  Compiled (``p_ref`` None): P is the register A operand and the registers of ``acc`` are
-  the wgmma accumulator (``run_state``). Interpret mode takes neither a register A operand
-  nor ``run_state`` over wgmma refs, so there P goes through the shared-memory buffer
-  ``p_ref`` and the product into a fresh accumulator added in registers (same math).
+def _accumulate_pv(acc, p16, v_ref, p_ref, pv: str):
+  """``acc + p16 @ v_ref`` with wgmma, issued as the variant ``pv`` (``tiles.PV_VARIANTS``).
+
+  acc: float32 ``(64, D)`` (WGMMA layout); p16: ``(64, block_kv)`` in q's dtype; v_ref: the
+  ``(block_kv, D)`` V slot; p_ref: this warpgroup's ``(64, block_kv)`` P buffer (None for
+  "p_regs"). Every variant returns only after its wgmma has completed (``run_state`` /
+  reading the accumulator wait for it), so the caller may release the V slot and the next
+  step may overwrite ``p_ref``.
   """
-  if p_ref is None:
-    def pv(acc_ref):
+  if pv == TL.PV_REGS:
+    def pv_in_place(acc_ref):
       plgpu.wgmma(acc_ref, p16, v_ref)
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
+    return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
 
   p_ref[...] = p16
-  plgpu.commit_smem()
+  plgpu.commit_smem()      # generic-proxy stores visible to wgmma (async proxy)
+  if pv == TL.PV_SMEM:
+    def pv_smem_in_place(acc_ref):
+      plgpu.wgmma(acc_ref, p_ref, v_ref)
+    return pl.run_state(pv_smem_in_place)(plgpu.ACC.init(acc))
 
-  def fresh(acc_ref):
+  def pv_fresh(acc_ref):
     plgpu.wgmma(acc_ref, p_ref, v_ref)
     return acc_ref[...]
-  return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+  return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
 
 
 def _store_rows(o_stage, o_ref, sl: TL.Slab, tok0, nq, head):
@@ -277,7 +300,8 @@ def ragged_attention_call(meta, block_table_flat, sinks, q, cache, *, st: Kernel
           plgpu.SMEM((geo.num_wgs, TL.WG_ROWS, d), st.dtype),
           _smem_tiled((geo.stages, geo.block_kv, d), st.dtype),
           _smem_tiled((geo.stages, geo.block_kv, d), st.dtype),
-          _smem_tiled((geo.num_wgs, TL.WG_ROWS, geo.block_kv), st.dtype) if st.interpret else None)
+          None if st.pv == TL.PV_REGS else
+          _smem_tiled((geo.num_wgs, TL.WG_ROWS, geo.block_kv), st.dtype))
 
   def entry(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref):
     pl.run_scoped(

@@ -79,7 +79,7 @@ def supports_attention(spec, q_dtype) -> str | None:
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
                            block_table, scale, causal=True, sliding_window=None, soft_cap=None,
                            sinks=None, k_scale=None, v_scale=None, max_query_len=None,
-                           interpret=False):
+                           interpret=False, pv=None):
   """Ragged paged attention; arguments as :func:`kvjax.reference.unified_attention`.
 
   Args:
@@ -93,6 +93,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     max_query_len: static bound on every sequence's query length (None = T); its power-of-two
       bucket sets the tile's token count.
     interpret: run in Mosaic GPU interpret mode on CPU (jax >= 0.11; slow, small shapes).
+    pv: how the kernel issues ``acc += P V``, one of ``tiles.PV_VARIANTS`` (None:
+      ``tiles.DEFAULT_PV``; interpret mode runs only "p_smem_fresh").
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
   """
@@ -100,13 +102,13 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       q, cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
       block_table=block_table, scale=scale, causal=causal, sliding_window=sliding_window,
       soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-      max_query_len=max_query_len, interpret=interpret)
+      max_query_len=max_query_len, interpret=interpret, pv=pv)
 
 
 def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
                                  block_table, scale, causal=True, sliding_window=None,
                                  soft_cap=None, sinks=None, k_scale=None, v_scale=None,
-                                 max_query_len=None, interpret=False,
+                                 max_query_len=None, interpret=False, pv=None,
                                  geometry: TL.TileGeometry | None = None):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), for benchmark sweeps."""
@@ -119,6 +121,9 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   if d != spec.head_size:
     raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
   group = hq // h
+  pv = TL.DEFAULT_PV if pv is None else pv
+  if pv not in TL.PV_VARIANTS:
+    raise ValueError(f"pv must be one of {TL.PV_VARIANTS} or None, got {pv!r}")
   reason = spec_reason(spec, q.dtype, group)
   if reason is not None:
     raise ValueError(f"Mosaic GPU ragged attention: {reason}")
@@ -129,11 +134,14 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   if mql <= 0:
     raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
   mql = min(sched.next_pow2(mql), sched.next_pow2(t))
-  geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql,
-                                       np.dtype(q.dtype).itemsize)
+  itemsize = np.dtype(q.dtype).itemsize
+  geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql, itemsize, pv)
   if geo.group != group or geo.block_size != spec.block_size:
     raise ValueError(f"geometry {geo} does not match group {group} / block size "
                      f"{spec.block_size}")
+  if geo.smem_bytes(d, itemsize, pv) > TL.SMEM_BUDGET:
+    raise ValueError(f"geometry {geo} needs {geo.smem_bytes(d, itemsize, pv)} bytes of shared "
+                     f"memory with pv={pv!r}; the budget is {TL.SMEM_BUDGET}")
   # q's TMA boxes tile the token axis by 8 rows: pad T up to a multiple of 8 (padding tokens).
   t_in = sched.cdiv(t, TL.MIN_BQ) * TL.MIN_BQ
   q_in = q if t_in == t else jnp.pad(q, ((0, t_in - t), (0, 0), (0, 0)))
@@ -145,7 +153,7 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       num_blocks=spec.num_blocks_of(cache), max_blocks=max_blocks, num_tiles=num_tiles,
       causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
-      scale=float(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret))
+      scale=float(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv)
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   out = K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk, q_in,

@@ -28,6 +28,16 @@ WG_ROWS = 64           # rows of one consumer warpgroup (wgmma M)
 MIN_BQ = 8             # slab alignment: the (8, swizzle) SMEM tiling of wgmma operands
 MAX_GROUP = 2 * WG_ROWS // MIN_BQ    # 16 query heads per KV head at most
 
+#: How the kernel issues ``acc += P V`` (the only place its variants differ):
+#: "p_regs": P is the register A operand of wgmma and acc's registers its accumulator,
+#:   updated in place (as JAX's FlashAttention-3 kernel does);
+#: "p_smem": P is stored to a per-warpgroup shared-memory buffer, acc updated in place;
+#: "p_smem_fresh": P through shared memory, the product into a fresh zero accumulator that
+#:   is then added to acc in registers (the only form Mosaic GPU interpret mode runs).
+PV_REGS, PV_SMEM, PV_SMEM_FRESH = "p_regs", "p_smem", "p_smem_fresh"
+PV_VARIANTS = (PV_REGS, PV_SMEM, PV_SMEM_FRESH)
+DEFAULT_PV = PV_SMEM_FRESH
+
 #: Rows of the metadata array handed to the kernel, one column per tile.
 META_TOK0, META_NQ, META_POS0, META_KV_LEN, META_BT_ROW = range(5)
 META_ROWS = 5
@@ -96,11 +106,13 @@ class TileGeometry:
         out.append(Slab(g, 0, self.bq, g * self.bq - lo))
     return tuple(out)
 
-  def smem_bytes(self, head_size: int, itemsize: int) -> int:
-    """Shared memory of the kernel's buffers: q, out staging, K and V slots."""
+  def smem_bytes(self, head_size: int, itemsize: int, pv: str = DEFAULT_PV) -> int:
+    """Shared memory of the kernel's buffers: q, out staging, K and V slots, and the P
+    buffers of the variants that pass P through shared memory."""
     q_and_out = 2 * self.rows * head_size * itemsize
     kv = 2 * self.stages * self.block_kv * head_size * itemsize
-    return q_and_out + kv
+    p = 0 if pv == PV_REGS else self.rows * self.block_kv * itemsize
+    return q_and_out + kv + p
 
 
 SMEM_BUDGET = 227 * 1024      # Hopper: 227 KiB of shared memory per block
@@ -113,12 +125,12 @@ def max_group(head_size: int) -> int:
 
 
 def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: int,
-                    itemsize: int = 2) -> TileGeometry:
+                    itemsize: int = 2, pv: str = DEFAULT_PV) -> TileGeometry:
   """The tile for a call: the largest power-of-two ``bq`` with ``G * bq <= 128`` rows, cut
   to the max_query_len bucket (>= 8); one consumer warpgroup when 64 rows hold the tile
   (decode-sized buckets, head size 256); 128 keys a step (64 for head size 256), as many
-  K/V slots (<= 4) as fit in shared memory. K/V copies are ``gcd(block_size, block_kv)``
-  tokens each."""
+  K/V slots (<= 4) as fit in shared memory next to the ``pv`` variant's buffers. K/V copies
+  are ``gcd(block_size, block_kv)`` tokens each."""
   if not 1 <= group <= max_group(head_size):
     raise ValueError(f"GQA group size {group} is outside [1, {max_group(head_size)}] at head "
                      f"size {head_size}")
@@ -130,7 +142,7 @@ def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: 
   stages = 4
   while stages > 2:
     geo = TileGeometry(group, bq, num_wgs, block_kv, stages, block_size)
-    if geo.smem_bytes(head_size, itemsize) <= SMEM_BUDGET:
+    if geo.smem_bytes(head_size, itemsize, pv) <= SMEM_BUDGET:
       return geo
     stages -= 1
   return TileGeometry(group, bq, num_wgs, block_kv, stages, block_size)
