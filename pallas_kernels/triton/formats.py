@@ -39,7 +39,6 @@ from kvjax.codecs.nvfp4 import SideLayout
 from pallas_kernels.common import f32_from_bytes, f32_to_bytes, next_pow2
 from pallas_kernels.triton.ieee import Divider
 
-_HIGHEST = lax.Precision.HIGHEST
 _I32 = jnp.int32
 _SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
@@ -135,8 +134,10 @@ class TileFormat:
 
   @property
   def precision(self):
-    """Dot precision, with :func:`compute_dtype` the one rule: float32 dots run at HIGHEST."""
-    return _HIGHEST if self.compute_dtype == np.dtype(np.float32) else None
+    """Dot precision, with :func:`compute_dtype` the one rule for every kernel: None, so
+    float32 dots follow JAX's matmul-precision setting (``jax.default_matmul_precision``;
+    the torch facade maps torch's float32 matmul precision onto it)."""
+    return None
 
   def part_cols(self, part: int):
     """Head-dim columns that part ``part`` holds (``[part_width]``) and which are real."""
