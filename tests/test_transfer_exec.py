@@ -1,5 +1,5 @@
 """Executed transfers between simulated CPU device groups, byte-exact against caches
-written directly on the decode side (spec §7)."""
+written directly on the decode side (docs/layout.md §7)."""
 import os
 import sys
 

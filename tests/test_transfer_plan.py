@@ -1,4 +1,4 @@
-"""Transfer plans (spec §7): worked example, TP ratios, offsets, replication, descriptors,
+"""Transfer plans (docs/layout.md §7): worked example, TP ratios, offsets, replication, descriptors,
 refusals, and every plan checked against an independent per-head byte oracle."""
 import itertools
 

@@ -4,7 +4,7 @@ The JAX value is always the *physical* contiguous array (``spec.physical_shape``
 torch gets vLLM's *logical* view of the same memory (``spec.logical_shape``, the
 spec's stride order), so ``logical.data_ptr() == jax_array.unsafe_buffer_pointer()``.
 
-Rules (see shared/spec/platform_notes.md, "DLPack between torch and JAX"):
+Rules (checked on CPU and on an H200; hazards in docs/edges.md):
 - only the physical contiguous tensor crosses: a permuted view would import as a
   JAX array with a non-default layout that Pallas calls silently transpose;
 - CPU: JAX imports zero-copy only from 64-byte aligned addresses (else it copies),

@@ -45,7 +45,7 @@ def kv_scale_views(tensor, spec: KVCacheSpec):
 
   Strides are the logical ``(s0, s2, s1) * itemsize / 4``; offsets
   ``data_dim * itemsize / 4`` (K) and ``(padded_hs + data_dim) * itemsize / 4`` (V)
-  float32 elements past the cache's start (spec §3). For int4 the low 4 mantissa
+  float32 elements past the cache's start (docs/layout.md §3). For int4 the low 4 mantissa
   bits hold the zero point.
   """
   logical = _logical_4d(tensor, spec)
@@ -60,7 +60,7 @@ def kv_scale_views(tensor, spec: KVCacheSpec):
 
 
 def nvfp4_split_data_scale(side: torch.Tensor):
-  """Split one nvfp4 side, a uint8 ``(P, d1, d2, F)`` view, into data and scales (spec §5).
+  """Split one nvfp4 side, a uint8 ``(P, d1, d2, F)`` view, into data and scales (docs/layout.md §5).
 
   data_dim = F*8//9 (= D/2), scale_dim = F - data_dim (= D/16). Data strides are
   ``(s0, s1*data_dim/F, s2*data_dim/F, 1)`` at the side's offset; scales

@@ -1,4 +1,4 @@
-"""Transfers of paged KV caches between instances (disaggregated prefill/decode, spec §7).
+"""Transfers of paged KV caches between instances (disaggregated prefill/decode, docs/layout.md §7).
 
 - :mod:`~kvjax.transfer.topology`: layout probe, TP ratio, replication, source ranks,
   rank offset factor.

@@ -1,4 +1,4 @@
-"""Execute read plans between device groups with ``jax.device_put`` (spec §7).
+"""Execute read plans between device groups with ``jax.device_put`` (docs/layout.md §7).
 
 One layer at a time. The prefill side is a list of per-rank caches (rank ``p`` on
 its device, ``H / P`` heads or one replicated head), the decode side likewise.

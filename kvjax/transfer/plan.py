@@ -1,4 +1,4 @@
-"""Byte-level read plans that fill one local page from remote pages (spec §7).
+"""Byte-level read plans that fill one local page from remote pages (docs/layout.md §7).
 
 A plan is a list of :class:`Read`: byte ranges *within one page*. The same plan
 applies to every block of a request and every layer (region), so descriptors are
@@ -49,7 +49,7 @@ def _is_mla(spec, is_mla: bool) -> bool:
 
 def head_runs(tp_rank: int, tp_size: int, remote_tp_size: int,
               total_num_kv_heads: int) -> List[HeadRun]:
-  """The spec §7 rule as runs of heads (before any byte layout is applied)."""
+  """The docs/layout.md §7 rule as runs of heads (before any byte layout is applied)."""
   h_local = T.heads_per_rank(total_num_kv_heads, tp_size)
   h_remote = T.heads_per_rank(total_num_kv_heads, remote_tp_size)
   srcs = T.source_ranks(tp_rank, tp_size, remote_tp_size, total_num_kv_heads)

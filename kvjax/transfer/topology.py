@@ -1,4 +1,4 @@
-"""Who holds which KV heads across tensor-parallel ranks (spec §7).
+"""Who holds which KV heads across tensor-parallel ranks (docs/layout.md §7).
 
 Notation: ``H`` = total_num_kv_heads (the model's KV heads), ``tp`` = this side's
 tensor-parallel size, ``remote`` = the other side's. A rank holds ``H / tp``
@@ -24,7 +24,7 @@ def _positive_int(name: str, value) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LayoutProbe:
-  """Result of probing a backend's cache-shape function (spec §7).
+  """Result of probing a backend's cache-shape function (docs/layout.md §7).
 
   shape: the probed shape (num_blocks=1, block_size=16, num_kv_heads=1, head_size=1).
   blocks_first: its leading dim is the block axis (so a page is contiguous).
@@ -135,7 +135,7 @@ def source_ranks(tp_rank: int, tp_size: int, remote_tp_size: int, total_num_kv_h
 
 def rank_offset_factor(tp_rank: int, tp_size: int, remote_tp_size: int, total_num_kv_heads: int,
                        is_mla: bool = False) -> int:
-  """Which local-page-sized chunk of the remote page the local rank reads (spec §7).
+  """Which local-page-sized chunk of the remote page the local rank reads (docs/layout.md §7).
 
   0 for MLA or ``tp <= remote``; ``r*H/tp - src*H/remote`` when ``tp > H``; else
   ``r % (tp / remote)``. The byte offset is this times the local page bytes.

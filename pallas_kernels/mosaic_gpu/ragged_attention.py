@@ -1,4 +1,4 @@
-"""Mosaic GPU (Hopper) ragged paged attention over the packed cache (spec §6).
+"""Mosaic GPU (Hopper) ragged paged attention over the packed cache (docs/layout.md §6).
 
 Entry point :func:`ragged_paged_attention`, with the semantics of
 :func:`kvjax.reference.unified_attention`: prefills with a cached prefix and decodes in one

@@ -1,4 +1,4 @@
-"""Mosaic TPU cache write by slot mapping, quantize-on-write (spec §4, §5).
+"""Mosaic TPU cache write by slot mapping, quantize-on-write (docs/layout.md §4, §5).
 
 Entry point :func:`write_kv` (inputs already validated by ``kvjax.write_kv``). It stores the
 bytes of ``kvjax.reference.cache_update.write_kv`` and no others.

@@ -1,4 +1,4 @@
-"""Mosaic TPU ragged paged attention over the packed cache (spec §6).
+"""Mosaic TPU ragged paged attention over the packed cache (docs/layout.md §6).
 
 Entry point :func:`ragged_paged_attention` (inputs already validated by
 ``kvjax.unified_attention``): prefills with a cached prefix and decodes in one ragged batch,
