@@ -5,6 +5,7 @@ import numpy as np
 
 from kvjax import KVCacheSpec
 from kvjax import formats as F
+from kvjax.reference import write_kv as reference_write_kv
 
 ALL_CACHE_DTYPES = tuple(F.CACHE_FORMATS)
 
@@ -111,3 +112,43 @@ def nan_cache(spec: KVCacheSpec, num_blocks: int):
   shape = spec.physical_shape(num_blocks)
   raw = np.full(int(np.prod(shape)) * spec.itemsize, 0xFF, np.uint8)
   return jnp.asarray(raw.view(spec.storage_dtype).reshape(shape))
+
+
+RAGGED_Q_LENS = (7, 1, 20, 0, 1, 12)
+RAGGED_CTX_LENS = (0, 40, 17, 5, 0, 33)
+RAGGED_PAD = 3
+
+
+def poisoned_ragged_batch(rng, spec, hq, q_lens=RAGGED_Q_LENS, ctx_lens=RAGGED_CTX_LENS, pad=RAGGED_PAD, k_scale=None,
+                    v_scale=None):
+  """(q, cache, query_start_loc, seq_lens, block_table) over shuffled, poisoned pages.
+
+  A ragged batch (prefills on cached prefixes, decodes, empty sequences, ``pad`` padding
+  tokens); block-table entries past a sequence name a written page, and slots past each
+  sequence's end hold huge values that must never be visible."""
+  n = spec.block_size
+  seq_lens = np.asarray(q_lens) + np.asarray(ctx_lens)
+  pages = -(-seq_lens // n)
+  num_blocks = int(pages.sum()) + 2
+  perm = rng.permutation(num_blocks)
+  bt = np.zeros((len(q_lens), int(pages.max()) + 1), np.int32)
+  used = 0
+  for s, p in enumerate(pages):
+    bt[s, :p] = perm[used:used + p]
+    bt[s, p:] = perm[used] if p else perm[0]   # unused entries name a written page
+    used += p
+  shape = spec.physical_shape(num_blocks)
+  raw = np.full(int(np.prod(shape)) * spec.itemsize, 0xFF, np.uint8)
+  cache = jnp.asarray(raw.view(spec.storage_dtype).reshape(shape))
+  slots = np.concatenate([bt[s, np.arange(p * n) // n] * n + np.arange(p * n) % n
+                          for s, p in enumerate(pages)])
+  live = np.concatenate([np.arange(p * n) < L for p, L in zip(pages, seq_lens)])
+  kv = rng.standard_normal((2, len(slots), spec.num_kv_heads, spec.head_size))
+  kv[:, ~live] *= 1e4                                # past each sequence's end: never visible
+  k, v = (jnp.asarray(x, spec.dtype) for x in kv)
+  cache = reference_write_kv(cache, k, v, jnp.asarray(slots, jnp.int32), spec,
+                                   k_scale=k_scale, v_scale=v_scale)
+  t = int(np.sum(q_lens)) + pad
+  q = jnp.asarray(rng.standard_normal((t, hq, spec.head_size)), spec.dtype)
+  qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  return q, cache, jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt)

@@ -24,7 +24,7 @@ import kvjax
 from kvjax import KVCacheSpec, MLACacheSpec
 from kvjax.reference import cache_update as ref_cache
 from kvjax.reference import unified_attention as ref_attention
-from kv_testing import as_bytes, poisoned_cache, random_kv
+from kv_testing import as_bytes, poisoned_cache, poisoned_ragged_batch, random_kv
 import pallas_kernels.mosaic_tpu as mt
 
 NUM_BLOCKS = 4
@@ -100,42 +100,6 @@ def test_write_of_only_skipped_slots_changes_nothing(rng):
 
 
 # -- attention -------------------------------------------------------------------------------
-Q_LENS = (7, 1, 20, 0, 1, 12)
-CTX_LENS = (0, 40, 17, 5, 0, 33)
-PAD = 3
-
-
-def _poisoned_batch(rng, spec, hq, q_lens=Q_LENS, ctx_lens=CTX_LENS, pad=PAD, k_scale=None,
-                    v_scale=None):
-  """(q, cache, query_start_loc, seq_lens, block_table) over shuffled, NaN-poisoned pages."""
-  n = spec.block_size
-  seq_lens = np.asarray(q_lens) + np.asarray(ctx_lens)
-  pages = -(-seq_lens // n)
-  num_blocks = int(pages.sum()) + 2
-  perm = rng.permutation(num_blocks)
-  bt = np.zeros((len(q_lens), int(pages.max()) + 1), np.int32)
-  used = 0
-  for s, p in enumerate(pages):
-    bt[s, :p] = perm[used:used + p]
-    bt[s, p:] = perm[used] if p else perm[0]   # unused entries name a written page
-    used += p
-  shape = spec.physical_shape(num_blocks)
-  raw = np.full(int(np.prod(shape)) * spec.itemsize, 0xFF, np.uint8)
-  cache = jnp.asarray(raw.view(spec.storage_dtype).reshape(shape))
-  slots = np.concatenate([bt[s, np.arange(p * n) // n] * n + np.arange(p * n) % n
-                          for s, p in enumerate(pages)])
-  live = np.concatenate([np.arange(p * n) < L for p, L in zip(pages, seq_lens)])
-  kv = rng.standard_normal((2, len(slots), spec.num_kv_heads, spec.head_size))
-  kv[:, ~live] *= 1e4                                # past each sequence's end: never visible
-  k, v = (jnp.asarray(x, spec.dtype) for x in kv)
-  cache = kvjax.reference.write_kv(cache, k, v, jnp.asarray(slots, jnp.int32), spec,
-                                   k_scale=k_scale, v_scale=v_scale)
-  t = int(np.sum(q_lens)) + pad
-  q = jnp.asarray(rng.standard_normal((t, hq, spec.head_size)), spec.dtype)
-  qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-  return q, cache, jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt)
-
-
 def _close(o, r, dtype):
   """The tolerance of tests/test_ragged_attention.py (outputs are O(1): unit-normal q, k, v)."""
   tol = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 4e-3}.get(np.dtype(dtype), 2e-2)
@@ -145,7 +109,7 @@ def _close(o, r, dtype):
 def _run_both(rng, spec, group, *, k_scale=None, v_scale=None, batch=None, interpret=INTERPRET,
               **kw):
   hq = spec.num_kv_heads * group
-  q, cache, qsl, sl, bt = batch or _poisoned_batch(rng, spec, hq, k_scale=k_scale,
+  q, cache, qsl, sl, bt = batch or poisoned_ragged_batch(rng, spec, hq, k_scale=k_scale,
                                                     v_scale=v_scale)
   args = dict(scale=spec.head_size ** -0.5, k_scale=k_scale, v_scale=v_scale, **kw)
   max_query_len = args.pop("max_query_len", None)
@@ -200,7 +164,7 @@ def test_decode_batch_matches_reference(rng, layout, cache_dtype, group):
   spec = KVCacheSpec(2, 128, 16, cache_dtype, layout, jnp.bfloat16)
   ks, vs = _scales(rng, spec, per_head=False)
   ctx = (0, 35, 16, 70, 3)
-  batch = _poisoned_batch(rng, spec, 2 * group, q_lens=(1,) * len(ctx), ctx_lens=ctx, pad=0,
+  batch = poisoned_ragged_batch(rng, spec, 2 * group, q_lens=(1,) * len(ctx), ctx_lens=ctx, pad=0,
                           k_scale=ks, v_scale=vs)
   o, r = _run_both(rng, spec, group, k_scale=ks, v_scale=vs, batch=batch, max_query_len=1,
                    sliding_window=40)

@@ -18,53 +18,15 @@ import pytest
 
 import kvjax
 from kvjax.reference import unified_attention as ref_attention
-from kvjax.reference import write_kv
 from pallas_kernels import ragged_schedule as sched
 from pallas_kernels.triton.ragged import ragged_paged_attention
 from pallas_kernels.triton.ragged_kernel import TileConfig
-
-Q_LENS = (7, 1, 20, 0, 1, 12)
-CTX_LENS = (0, 40, 17, 5, 0, 33)
-PAD = 3
-
-
-def _poisoned_batch(rng, spec, hq, q_lens=Q_LENS, ctx_lens=CTX_LENS, pad=PAD, k_scale=None,
-                    v_scale=None):
-  """(q, cache, query_start_loc, seq_lens, block_table) with shuffled, poisoned pages."""
-  n = spec.block_size
-  seq_lens = np.asarray(q_lens) + np.asarray(ctx_lens)
-  pages = -(-seq_lens // n)
-  num_blocks = int(pages.sum()) + 3
-  perm = rng.permutation(num_blocks)
-  bt = np.zeros((len(q_lens), int(pages.max()) + 1), np.int32)
-  used = 0
-  for s, p in enumerate(pages):
-    bt[s, :p] = perm[used:used + p]
-    bt[s, p:] = perm[used] if p else perm[0]   # unused entries name a real page, never poison
-    used += p
-  shape = spec.physical_shape(num_blocks)
-  raw = np.full(int(np.prod(shape)) * spec.itemsize, 0xFF, np.uint8)
-  cache = jnp.asarray(raw.view(spec.storage_dtype).reshape(shape))     # NaN everywhere
-  slots = np.concatenate([bt[s, p // n] * n + p % n
-                          for s, p in enumerate(np.arange(int(k) * n) for k in pages)])
-  kv_shape = (len(slots), spec.num_kv_heads, spec.head_size)
-  k = rng.standard_normal(kv_shape)
-  v = rng.standard_normal(kv_shape)
-  live = np.concatenate([np.arange(int(k_) * n) < L for k_, L in zip(pages, seq_lens)])
-  k[~live] *= 1e4                                   # tails of last pages: huge, never visible
-  v[~live] *= 1e4
-  cache = write_kv(cache, jnp.asarray(k, spec.dtype), jnp.asarray(v, spec.dtype),
-                   jnp.asarray(slots, jnp.int32), spec, k_scale=k_scale, v_scale=v_scale)
-  t = int(np.sum(q_lens)) + pad
-  q = jnp.asarray(rng.standard_normal((t, hq, spec.head_size)), spec.dtype)
-  qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-  return q, cache, jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt)
-
+from kv_testing import poisoned_ragged_batch
 
 def _run_both(rng, spec, group, *, max_query_len=None, k_scale=None, v_scale=None,
               tile_config=None, **kw):
   hq = spec.num_kv_heads * group
-  q, cache, qsl, sl, bt = _poisoned_batch(rng, spec, hq, k_scale=k_scale, v_scale=v_scale)
+  q, cache, qsl, sl, bt = poisoned_ragged_batch(rng, spec, hq, k_scale=k_scale, v_scale=v_scale)
   args = dict(scale=spec.head_size ** -0.5, k_scale=k_scale, v_scale=v_scale, **kw)
 
   @jax.jit
