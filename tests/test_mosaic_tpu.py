@@ -20,7 +20,6 @@ import pytest
 from jax import export
 from jax.experimental.pallas import tpu as pltpu
 
-import kvjax
 from kvjax import KVCacheSpec, MLACacheSpec
 from kvjax.reference import cache_update as ref_cache
 from kvjax.reference import unified_attention as ref_attention
