@@ -174,6 +174,24 @@ def test_only_the_token_holder_pulls_the_pages(rng, tmp_path, peers):
                                     err_msg=f"scenario {sc.request_id} rank {r}")
 
 
+def _wait_stopped(pid, timeout_s=10.0):
+  """Block until every thread of process ``pid`` is stopped (SIGSTOP is delivered asynchronously:
+  on a loaded machine a thread may still run for a moment after ``send_signal`` returns)."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+      try:
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+          states.append(f.read().rsplit(")", 1)[1].split()[0])
+      except FileNotFoundError:   # a thread that ended meanwhile
+        pass
+    if states and all(s in "tT" for s in states):
+      return
+    time.sleep(0.01)
+  raise AssertionError(f"process {pid} did not stop within {timeout_s} s: thread states {states}")
+
+
 def test_dead_or_stalled_prefill_times_out_and_decode_serves_the_next(rng, tmp_path, peers):
   seed = int(rng.integers(2**20))
   sc = PEER.SCENARIOS[5]
@@ -210,6 +228,7 @@ def test_dead_or_stalled_prefill_times_out_and_decode_serves_the_next(rng, tmp_p
   check_served(*pull(to_live, 0, PULL_TIMEOUT_S, "next"))           # the same decode process
   live.proc.send_signal(signal.SIGSTOP)                             # stalled prefill
   try:
+    _wait_stopped(live.proc.pid)
     check_failed(*pull(to_live, 1, SHORT_TIMEOUT_S, "from_stopped"))
   finally:
     live.proc.send_signal(signal.SIGCONT)
