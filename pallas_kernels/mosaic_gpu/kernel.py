@@ -120,10 +120,18 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
     for w in range(geo.num_wgs):                 # q slabs of this warpgroup, one barrier
       @pl.when((wg == w) & (nq > 0))               # surplus tiles: no rows, no keys
       def _load_q():
+        # TMA into the plain output staging buffer (a tile starts at any token), then
+        # registers -> the tiled, swizzled buffer wgmma reads: a TMA copy straight into a
+        # tiled buffer splits the token start into (start // 8, start % 8) box coordinates,
+        # so a start that is not a multiple of 8 would zero-fill rows of every 8-row group.
+        stage = o_smem.at[w]
         for sl in geo.slabs(w):
           plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + sl.tok, sl.n), h * g_count + sl.g],
-                                  q_smem.at[w, pl.ds(sl.row, sl.n)], q_bars[w])
+                                  stage.at[pl.ds(sl.row, sl.n)], q_bars[w])
         plgpu.barrier_wait(q_bars[w])
+        # once a tile: the untiled load need not be bank-conflict free
+        q_smem.at[w][...] = plgpu.load(stage, (), layout=wgmma_layout, optimized=False)
+        plgpu.commit_smem()      # generic-proxy stores visible to wgmma (async proxy)
     q_wg = q_smem.at[wg]
 
     shape = (TL.WG_ROWS, bk)
