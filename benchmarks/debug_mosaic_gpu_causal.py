@@ -1,6 +1,13 @@
-"""Diagnose the Mosaic GPU kernel's causal prefill failures on an H200 (< 3 minutes).
+"""Diagnose wrong rows of the Mosaic GPU ragged attention on an H200 (< 3 minutes).
 
 GPU:  PYTHONUNBUFFERED=1 python3 benchmarks/debug_mosaic_gpu_causal.py [--part NAME]
+
+Written for the "causal prefill" failures of 2026-12-01, which these probes traced to q tiles
+starting at a token that is not a multiple of 8 (a TMA copy into tiled shared memory lost the
+rows past the first 8-row boundary; docs/mosaic_gpu.md, "Alignment"): one-hot V showed the
+softmax weights right whenever every sequence started at a multiple of 8, and the row map
+showed, per failing sequence, tokens 1..7 of each 8-row group wrong and tokens 0 and 8 right.
+Kept as the first thing to run when a check of ``check_mosaic_gpu.py`` fails again.
 
 Parts (each in a child process with a time limit, so a hang costs that part only):
 
@@ -111,11 +118,12 @@ def wrong_rows(o, r, real):
 
 
 def seq_of_tokens(qsl):
+  """(sequence, token index within it) of every real token."""
   import numpy as np
   qsl = np.asarray(qsl)
-  t = int(qsl[-1])
-  return np.searchsorted(qsl[1:], np.arange(t), side="right"), np.arange(t) - qsl[
-      np.searchsorted(qsl[1:], np.arange(t), side="right")]
+  tok = np.arange(int(qsl[-1]))
+  seq = np.searchsorted(qsl[1:], tok, side="right")
+  return seq, tok - qsl[seq]
 
 
 # -- part probe --------------------------------------------------------------------------------
@@ -173,6 +181,8 @@ ROW_CASES = [
     ("NHD G=4 D=64 small ragged", "NHD", 2, 4, 64, 16, [6, 1, 9, 0, 1], [0, 30, 11, 5, 0], 2, {}),
     ("NHD G=4 D=128 prefix sweep", "NHD", 1, 4, 128, 16, [64, 64, 64, 64, 64, 64],
      [0, 1, 7, 64, 127, 128], 0, {}),
+    ("HND G=4 D=128 starts at every offset mod 8", "HND", 1, 4, 128, 16,
+     [9, 10, 11, 12, 13, 14, 15, 17], [0, 5, 0, 20, 3, 0, 40, 7], 3, {}),
 ]
 
 
@@ -205,8 +215,8 @@ def part_rows():
         continue
       b = bad[sel]
       toks = np.nonzero(b.any(axis=1))[0]
-      print(f"   seq {s} prefix {cl[s]} queries {ql[s]}: {int(b.sum())}/{b.size} wrong; "
-            f"wrong tokens {ranges(toks)}")
+      print(f"   seq {s} (first token {qsl[s]}, = {qsl[s] % 8} mod 8) prefix {cl[s]} queries "
+            f"{ql[s]}: {int(b.sum())}/{b.size} wrong; wrong tokens {ranges(toks)}")
     tok_any = bad.any(axis=1)
     by_row = np.bincount(local[tok_any] % geo.bq, minlength=geo.bq)
     by_tile = np.bincount(local[tok_any] // geo.bq)

@@ -130,8 +130,9 @@ def test_supports_attention_reasons():
   assert "differs" in spec_reason(ok, jnp.float16)
   assert "GQA group 20" in spec_reason(ok, bf, group=20)
   assert "KVCacheSpec" in spec_reason("NHD", bf)
-  reason = supports_attention(ok, bf)          # this machine has no sm90 GPU
-  assert isinstance(reason, str) and reason
+  reason = supports_attention(ok, bf)
+  if jax.default_backend() == "cpu":           # no sm90 GPU here: a reason
+    assert isinstance(reason, str) and reason
 
 
 def test_bad_input_is_named():

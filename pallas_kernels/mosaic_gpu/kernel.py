@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import tiles as TL
-from pallas_kernels.mosaic_gpu.compat import interpret_params
+from pallas_kernels.mosaic_gpu.compat import interpret_params, load_whole
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30   # running max before any key: finite, so exp2(m_old - m_new) is never NaN
@@ -130,7 +130,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
                                   stage.at[pl.ds(sl.row, sl.n)], q_bars[w])
         plgpu.barrier_wait(q_bars[w])
         # once a tile: the untiled load need not be bank-conflict free
-        q_smem.at[w][...] = plgpu.load(stage, (), layout=wgmma_layout, optimized=False)
+        q_smem.at[w][...] = load_whole(stage, layout=wgmma_layout, optimized=False)
         plgpu.commit_smem()      # generic-proxy stores visible to wgmma (async proxy)
     q_wg = q_smem.at[wg]
 
