@@ -10,8 +10,9 @@ One CUDA block per (KV head, query tile) (:mod:`pallas_kernels.mosaic_gpu.tiles`
   ``stages`` shared-memory slots; it reuses a slot once every consumer has released it,
   and at the end waits for the last releases too (so every barrier phase is observed, which
   interpret mode checks);
-* each **consumer** warpgroup owns 64 rows of the tile: it loads its q slabs by TMA once,
-  then per step waits for the K slot, computes ``S = q K^T`` with wgmma (float32
+* each **consumer** warpgroup owns 64 rows of the tile: it loads its q slabs once (TMA into
+  untiled shared memory, then registers into the tiled buffer wgmma reads: a tile starts at
+  any token, see tiles.py "Alignment"), then per step waits for the K slot, computes ``S = q K^T`` with wgmma (float32
   accumulators in registers), releases K, applies scale, soft cap and the causal / window /
   sequence-end mask (only on steps that cross an edge), updates the online softmax in the
   exp2 domain, waits for V, and accumulates ``P V`` with wgmma (``tiles.PV_VARIANTS``: P
