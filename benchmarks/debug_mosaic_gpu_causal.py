@@ -287,7 +287,8 @@ def main():
     except subprocess.TimeoutExpired as e:
       out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
       status = f"TIMEOUT after {limit} s"
-    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith(("WARNING", "I0", "W0"))]
+    noise = ("WARNING", "I0", "W0")
+    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith(noise)]
     print("\n".join(lines[-80:]), flush=True)
     print(f"== {part}: {status} ({time.time() - t0:.0f} s total)", flush=True)
 

@@ -12,11 +12,12 @@ One CUDA block per (KV head, query tile) (:mod:`pallas_kernels.mosaic_gpu.tiles`
   interpret mode checks);
 * each **consumer** warpgroup owns 64 rows of the tile: it loads its q slabs once (TMA into
   untiled shared memory, then registers into the tiled buffer wgmma reads: a tile starts at
-  any token, see tiles.py "Alignment"), then per step waits for the K slot, computes ``S = q K^T`` with wgmma (float32
-  accumulators in registers), releases K, applies scale, soft cap and the causal / window /
-  sequence-end mask (only on steps that cross an edge), updates the online softmax in the
-  exp2 domain, waits for V, and accumulates ``P V`` with wgmma (``tiles.PV_VARIANTS``: P
-  in registers or through shared memory, accumulated in place or into a fresh accumulator).
+  any token, see tiles.py "Alignment"), then per step waits for the K slot, computes
+  ``S = q K^T`` with wgmma (float32 accumulators in registers), releases K, applies scale,
+  soft cap and the causal / window / sequence-end mask (only on steps that cross an edge),
+  updates the online softmax in the exp2 domain, waits for V, and accumulates ``P V`` with
+  wgmma (``tiles.PV_VARIANTS``: P in registers or through shared memory, accumulated in
+  place or into a fresh accumulator).
 
 Keys past the sequence end in the last step are whatever the cache holds there (stale
 bytes, NaN): their scores are selected away, and the V rows of that step past the end are
