@@ -10,12 +10,14 @@ One CUDA block per (KV head, query tile) (:mod:`pallas_kernels.mosaic_gpu.tiles`
   ``stages`` shared-memory slots; it reuses a slot once every consumer has released it,
   and at the end waits for the last releases too (so every barrier phase is observed, which
   interpret mode checks);
-* each **consumer** warpgroup owns 64 rows of the tile: it loads its q slabs by TMA once,
-  then per step waits for the K slot, computes ``S = q K^T`` with wgmma (float32
-  accumulators in registers), releases K, applies scale, soft cap and the causal / window /
-  sequence-end mask (only on steps that cross an edge), updates the online softmax in the
-  exp2 domain, waits for V, and accumulates ``P V`` with wgmma (``tiles.PV_VARIANTS``: P
-  in registers or through shared memory, accumulated in place or into a fresh accumulator).
+* each **consumer** warpgroup owns 64 rows of the tile: it loads its q slabs once (TMA into
+  untiled shared memory, then registers into the tiled buffer wgmma reads: a tile starts at
+  any token, see tiles.py "Alignment"), then per step waits for the K slot, computes
+  ``S = q K^T`` with wgmma (float32 accumulators in registers), releases K, applies scale,
+  soft cap and the causal / window / sequence-end mask (only on steps that cross an edge),
+  updates the online softmax in the exp2 domain, waits for V, and accumulates ``P V`` with
+  wgmma (``tiles.PV_VARIANTS``: P in registers or through shared memory, accumulated in
+  place or into a fresh accumulator).
 
 Keys past the sequence end in the last step are whatever the cache holds there (stale
 bytes, NaN): their scores are selected away, and the V rows of that step past the end are
@@ -36,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import tiles as TL
-from pallas_kernels.mosaic_gpu.compat import interpret_params
+from pallas_kernels.mosaic_gpu.compat import interpret_params, load_whole
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30   # running max before any key: finite, so exp2(m_old - m_new) is never NaN
@@ -120,10 +122,18 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
     for w in range(geo.num_wgs):                 # q slabs of this warpgroup, one barrier
       @pl.when((wg == w) & (nq > 0))               # surplus tiles: no rows, no keys
       def _load_q():
+        # TMA into the plain output staging buffer (a tile starts at any token), then
+        # registers -> the tiled, swizzled buffer wgmma reads: a TMA copy straight into a
+        # tiled buffer splits the token start into (start // 8, start % 8) box coordinates,
+        # so a start that is not a multiple of 8 would zero-fill rows of every 8-row group.
+        stage = o_smem.at[w]
         for sl in geo.slabs(w):
           plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + sl.tok, sl.n), h * g_count + sl.g],
-                                  q_smem.at[w, pl.ds(sl.row, sl.n)], q_bars[w])
+                                  stage.at[pl.ds(sl.row, sl.n)], q_bars[w])
         plgpu.barrier_wait(q_bars[w])
+        # once a tile: the untiled load need not be bank-conflict free
+        q_smem.at[w][...] = load_whole(stage, layout=wgmma_layout, optimized=False)
+        plgpu.commit_smem()      # generic-proxy stores visible to wgmma (async proxy)
     q_wg = q_smem.at[wg]
 
     shape = (TL.WG_ROWS, bk)

@@ -7,8 +7,7 @@ padding tokens and rows with no visible key give 0. :func:`supports_attention` s
 it applies (None) or why not (a one-line reason). The kernel body and its pipeline are in
 :mod:`pallas_kernels.mosaic_gpu.kernel`, the tiling in :mod:`pallas_kernels.mosaic_gpu.tiles`.
 
-Static sizes: the grid is ``(H, cdiv(T, bq) + S + 1)`` (T rounded up to a multiple of 8: q is
-padded when it is not, which costs a copy of q and of the output) with ``bq`` from the max_query_len
+Static sizes: the grid is ``(H, cdiv(T, bq) + S + 1)`` with ``bq`` from the max_query_len
 bucket (a power of two), so one compiled kernel serves every step with the same
 ``(T, S, max_blocks)`` and bucket; surplus programs exit at once.
 """
@@ -142,12 +141,11 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   if geo.smem_bytes(d, itemsize, pv) > TL.SMEM_BUDGET:
     raise ValueError(f"geometry {geo} needs {geo.smem_bytes(d, itemsize, pv)} bytes of shared "
                      f"memory with pv={pv!r}; the budget is {TL.SMEM_BUDGET}")
-  # q's TMA boxes tile the token axis by 8 rows: pad T up to a multiple of 8 (padding tokens).
-  t_in = sched.cdiv(t, TL.MIN_BQ) * TL.MIN_BQ
-  q_in = q if t_in == t else jnp.pad(q, ((0, t_in - t), (0, 0), (0, 0)))
-  num_tiles = TL.num_tiles_bound(t_in, num_seqs, geo.bq)
+  # q and out move through untiled shared memory: a tile may start at any token, T need not
+  # be a multiple of 8 (the kernel's q boxes past T read zeros, its stores stop at T).
+  num_tiles = TL.num_tiles_bound(t, num_seqs, geo.bq)
   max_blocks = block_table.shape[1]
-  meta = TL.tile_metadata(query_start_loc, seq_lens, max_blocks, t_in, num_tiles, geo.bq)
+  meta = TL.tile_metadata(query_start_loc, seq_lens, max_blocks, t, num_tiles, geo.bq)
   st = K.KernelStatics(
       geo=geo, head_size=d, num_kv_heads=h, layout=spec.layout,
       num_blocks=spec.num_blocks_of(cache), max_blocks=max_blocks, num_tiles=num_tiles,
@@ -156,6 +154,5 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       scale=float(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv)
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
-  out = K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk, q_in,
-                                cache, st=st)
-  return out if t_in == t else out[:t]
+  return K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk, q, cache,
+                                 st=st)

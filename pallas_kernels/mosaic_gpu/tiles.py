@@ -9,6 +9,13 @@ wgmma M); a head's slab never straddles a warpgroup unless it is the only head (
 bq = 128, one 64-token half per warpgroup). ``bq`` is a power of two >= 8 so that every
 slab starts on a multiple of 8 rows (the SMEM tiling of wgmma operands).
 
+Alignment: a TMA copy into a tiled shared-memory buffer (the
+``(8, 64)``-element tiles with 128-byte swizzle that wgmma reads) addresses global memory
+as 8-row tiles, so its first row must be a multiple of 8 there, or rows of every 8-row
+group are lost (zero-filled on loads). K/V pieces satisfy it (``piece`` is a multiple of 8
+and divides the block size, so a piece starts at a multiple of 8 within its page); q tiles
+start at any token, so the kernel copies q into plain (untiled) shared memory first.
+
 Padding tokens (at or past ``query_start_loc[S]``) are covered by tiles of a pseudo-sequence
 with no keys, so the kernel writes every output row exactly once (zeros there) and no
 zero-initialized output buffer or post-pass is needed.
@@ -79,6 +86,9 @@ class TileGeometry:
       raise ValueError(f"block_kv={self.block_kv} must be a multiple of 64")
     if self.stages < 2:
       raise ValueError(f"stages={self.stages} must be >= 2")
+    if self.block_size % MIN_BQ:
+      raise ValueError(f"block_size={self.block_size} must be a multiple of {MIN_BQ}: K/V "
+                       f"pieces land in {MIN_BQ}-row tiles of shared memory")
 
   @property
   def rows(self) -> int:
