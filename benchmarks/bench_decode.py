@@ -1,25 +1,27 @@
-"""Decode benchmark of the paged decode kernel (issue 3 decode part; int4 / nvfp4 of issue 4).
+"""Decode benchmark of the paged decode kernel, every cache format, side by side with vLLM 0.28.
 
-GPU (H200):  PYTHONUNBUFFERED=1 python benchmarks/bench_decode.py [--json PATH] [--no-sweep]
+GPU (H200):  PYTHONUNBUFFERED=1 python benchmarks/bench_decode.py [--json PATH]
+             [--shapes 64x4096,...] [--formats bfloat16,fp8,...] [--no-vllm] [--no-peers]
 CPU smoke:   python benchmarks/bench_decode.py --smoke
 
 GPU mode, in one run:
   1. the device copy ceiling (torch, bytes read + written per second) and the host dispatch
      floor of one jitted call;
-  2. a sweep of kernel configs (bf16 at 64 x 4096 and 8 x 32768, fp8 at 64 x 4096, NHD);
-  3. the table: Hq=32, H=8, D=128, block 16, batch x context in SHAPES: ours (bf16 and fp8
-     per-tensor, NHD and HND, each dtype with its best sweep config), JAX's built-in Pallas
-     ``paged_attention`` (bf16, its own [H, pages, N, D] K and V arrays), torch SDPA on dense
-     bf16 KV (GQA through enable_gqa);
+  2. the per-format table: Hq=32, H=8, D=128, block 16, batch x context in SHAPES, pages
+     shuffled; every cache format and layout with its default config: µs per step, tokens/s
+     relative to the bf16 cache of the same layout, TB/s of the format's own bytes (data and
+     scales: ``batch * context * page_bytes / block_size``), and vLLM 0.28's Triton kernel on
+     the very same cache buffer (best of its 2-D and split-KV paths) where vLLM has the
+     format and its kernels are found (benchmarks/vllm_peer.py);
+  3. peers on bf16: JAX's built-in Pallas ``paged_attention`` (its own [H, pages, N, D] K and V
+     arrays) and torch SDPA on dense KV (GQA through enable_gqa);
   4. compiled correctness of ours vs ``kvjax.reference.unified_attention`` on small problems
      (every cache dtype, both layouts, GQA 1/4/7, head sizes 64..256, window, soft cap, sinks);
      the kernel reads a poisoned cache (unwritten slots random bytes / NaN), the reference a
      clean copy holding the same tokens.
 JAX timings chain CHAIN decode steps in one jitted program (each step's output is the next
 step's query) and divide; torch timings use CUDA events (triton.testing.do_bench).
-KV bytes counted = sum over sequences of seq_len * H * 2 * D * itemsize (K and V data only;
-the packed cache has no other bytes for these dtypes). tokens/s = batch / time (one decode
-token per sequence).
+Kernel configurations are compared by benchmarks/sweep_decode.py.
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ import kvjax  # noqa: E402
 from kvjax.reference import unified_attention as ref_attention  # noqa: E402
 from benchmarks import common  # noqa: E402
 from pallas_kernels.triton.decode import paged_decode_attention  # noqa: E402
-from pallas_kernels.triton.decode_config import (DEFAULT_CONFIG, NUM_SMS, DecodeConfig,  # noqa: E402
-                                          default_config)
+from benchmarks import vllm_peer  # noqa: E402
+from pallas_kernels.triton.decode_config import DEFAULT_CONFIG, DecodeConfig  # noqa: E402
 
 SHAPES = ((64, 4096), (128, 2048), (16, 16384), (8, 32768), (256, 1024))
 HQ, H, D, N = 32, 8, 128, 16
@@ -226,20 +228,6 @@ def cfg_name(cfg: DecodeConfig) -> str:
   return ",".join(f"{k}={v}" for k, v in d.items()) or "default"
 
 
-#: (cache_dtype, overrides of DEFAULT_CONFIG) tried at SWEEP_SHAPES; the best mean per dtype
-#: is used for the table.
-SWEEP = tuple(("bfloat16", v) for v in (
-    {"num_stages": 2}, {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 2, "num_stages": 3},
-    {"tokens_per_step": 32, "num_stages": 3}, {"tokens_per_step": 128, "num_stages": 3},
-    {"num_stages": 3, "target_programs": 16 * NUM_SMS},
-    {"num_stages": 3, "target_programs": 4 * NUM_SMS},
-)) + tuple(("fp8", v) for v in (
-    {"num_stages": 2}, {"num_stages": 3}, {"tokens_per_step": 128, "num_stages": 3},
-    {"tokens_per_step": 128, "num_warps": 8, "num_stages": 3},
-))
-SWEEP_SHAPES = ((64, 4096), (8, 32768))
-
-
 def dispatch_floor_ms():
   """Host dispatch cost of a jitted call taking the decode arguments (a trivial body)."""
   spec, q, cache, sl, bt = our_problem(64, 4096, "bfloat16", "NHD")
@@ -249,26 +237,77 @@ def dispatch_floor_ms():
   return ms
 
 
+def format_table(shapes, formats, interpret, geo, use_vllm):
+  """The per-format table: ours (the format's default config) and vLLM 0.28's kernel on the
+  very same cache buffer, at every shape; tokens/s relative to bf16 of the same layout."""
+  from benchmarks import bench_side_by_side as SBS
+  rows = []
+  for batch, ctx in shapes:
+    base = {}
+    for cd in formats:
+      for layout in SBS._layouts(cd):
+        spec = kvjax.KVCacheSpec(num_kv_heads=geo.get("h", H), head_size=geo.get("d", D),
+                                 block_size=geo.get("n", N), cache_dtype=cd, layout=layout)
+        problem = SBS.paged_problem(spec, [1] * batch, [ctx - 1] * batch)
+        q, cache, qsl, sl, bt = problem
+        ks = SBS._tensor_scale(cd)
+        step = lambda q, c, sl, bt, spec=spec, ks=ks: paged_decode_attention(
+            q, c, spec, seq_lens=sl, block_table=bt, scale=spec.head_size ** -0.5,
+            k_scale=ks, v_scale=ks, interpret=interpret)
+        try:
+          ms = common.time_jax_chained(step, q, cache, sl, bt, chain=1 if interpret else CHAIN,
+                                       reps=3 if interpret else 5, inner=1 if interpret else 4)
+        except Exception as e:  # noqa: BLE001 - report and go on
+          print(f"  {cd} {layout} {batch}x{ctx}: FAILED {type(e).__name__}: {str(e)[:300]}",
+                flush=True)
+          continue
+        nbytes = batch * ctx * spec.page_bytes / spec.block_size
+        r = {"kernel": "kvjax", "cache_dtype": cd, "layout": layout, "batch": batch,
+             "context": ctx, "us": round(ms * 1e3, 1),
+             "tb_per_s": round(nbytes / (ms * 1e-3) / 1e12, 3),
+             "tokens_per_s": round(batch / (ms * 1e-3)),
+             "bytes_vs_bf16": round(spec.page_bytes / (2 * spec.block_size *
+                                                       spec.num_kv_heads * 2 * spec.head_size), 3)}
+        if cd == "bfloat16":
+          base[layout] = r["tokens_per_s"]
+        if layout in base:
+          r["x_bf16"] = round(r["tokens_per_s"] / base[layout], 3)
+        if use_vllm and vllm_peer.supports(spec):
+          try:
+            r["vllm_us"] = round(SBS.time_vllm(spec, problem, 1, ctx) * 1e3, 1)
+          except Exception as e:  # noqa: BLE001
+            r["vllm_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        del problem, cache
+        print(f"  {cd:20s} {layout} {batch:4d}x{ctx:<6d} {r['us']:8.1f} us "
+              f"{r['tb_per_s']:6.3f} TB/s x_bf16={r.get('x_bf16', '-')} "
+              f"vllm={r.get('vllm_us', r.get('vllm_error', '-'))}", flush=True)
+        rows.append(r)
+  return rows
+
+
+def markdown(rows):
+  """The per-format table as markdown (what RESULTS.md quotes)."""
+  out = ["| batch x ctx | format | layout | µs | tokens/s vs bf16 | TB/s (own bytes) | bytes vs "
+         "bf16 | vLLM 0.28 µs |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    out.append(f"| {r['batch']}x{r['context']} | {r['cache_dtype']} | {r['layout']} | "
+               f"{r['us']} | {r.get('x_bf16', '-')} | {r['tb_per_s']} | {r['bytes_vs_bf16']} | "
+               f"{r.get('vllm_us', '-')} |")
+  return "\n".join(out)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--smoke", action="store_true", help="tiny CPU run (interpret mode)")
   ap.add_argument("--json", default=None, help="where to write the JSON (default $OUT or "
                   "benchmarks/results/decode.json)")
-  ap.add_argument("--no-sweep", action="store_true")
+  ap.add_argument("--shapes", default=None, help="BxC,BxC,... (default: the five shapes)")
+  ap.add_argument("--formats", default=None, help="comma-separated cache dtypes (default: all)")
+  ap.add_argument("--no-peers", action="store_true", help="skip JAX's Pallas op and SDPA")
+  ap.add_argument("--no-vllm", action="store_true")
   ap.add_argument("--no-checks", action="store_true")
-  ap.add_argument("--profile", action="store_true",
-                  help="only run ours once per dtype at 64 x 4096 (for ncu)")
   args = ap.parse_args()
-  if args.profile:
-    for cd, cfg in (("bfloat16", default_config(2)), ("fp8", default_config(1))):
-      spec, q, cache, sl, bt = our_problem(64, 4096, cd, "NHD")
-      ks = 1.0 if cd == "fp8" else None
-      out = jax.jit(lambda q, c, sl, bt: paged_decode_attention(
-          q, c, spec, seq_lens=sl, block_table=bt, scale=0.088, k_scale=ks, v_scale=ks,
-          config=cfg))(q, cache, sl, bt)
-      jax.block_until_ready(out)
-      print(f"profiled {cd}", flush=True)
-    return
+  from benchmarks import bench_side_by_side as SBS
   smoke = args.smoke
   interpret = smoke or jax.default_backend() == "cpu"
   out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -282,86 +321,55 @@ def main():
   print(json.dumps(info), flush=True)
   rng = np.random.default_rng(0)
 
-  checks = []
-
   print("== device copy ceiling", flush=True)
   copy = common.device_copy_tb_s()
   print(f"  copy {copy:.3f} TB/s (read + write)", flush=True)
 
   geo = dict(h=2, d=64, n=16) if smoke else {}
   shapes = ((2, 64),) if smoke else SHAPES
-  sweep = []
-  best = {"bfloat16": default_config(2), "fp8": default_config(1)}
+  if args.shapes:
+    shapes = tuple(tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(","))
+  formats = (("bfloat16", "int8_per_token_head") if smoke else SBS.FORMATS)
+  if args.formats:
+    formats = tuple(args.formats.split(","))
   floor = None
   if not smoke:
     floor = dispatch_floor_ms()
     print(f"== host dispatch floor of one jitted call (trivial body): {floor:.4f} ms; "
           f"timings below chain {CHAIN} decode steps per jitted call", flush=True)
-  if not args.no_sweep and not smoke:
-    print("== sweep (NHD)", flush=True)
-    scores = {}
-    for cd, var in SWEEP:
-      cfg = dataclasses.replace(DEFAULT_CONFIG, **var)
-      for batch, ctx in SWEEP_SHAPES if cd == "bfloat16" else SWEEP_SHAPES[:1]:
-        try:
-          ms = time_ours(batch, ctx, cd, "NHD", cfg)
-        except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported
-          print(f"  {cfg_name(cfg)}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-          break
-        r = row("kvjax", cd, "NHD", batch, ctx, ms, 2 if cd == "bfloat16" else 1,
-                config=cfg_name(cfg))
-        sweep.append(r)
-        scores.setdefault((cd, cfg), []).append(r["tb_per_s"])
-    for cd in best:
-      ranked = sorted(((np.mean(v), cfg_name(c), c) for (d, c), v in scores.items() if d == cd),
-                      key=lambda t: -t[0])
-      if ranked:
-        best[cd] = ranked[0][2]
-        print(f"  best {cd}: {ranked[0][1]} ({ranked[0][0]:.3f} TB/s mean)", flush=True)
 
-  print("== decode table", flush=True)
-  rows = []
-  for batch, ctx in shapes:
-    for cd, item in (("bfloat16", 2), ("fp8", 1)):
-      cfg = best[cd]
-      for layout in ("NHD", "HND"):
-        if True:
-          try:
-            ms = time_ours(batch, ctx, cd, layout, cfg, interpret=interpret, **geo)
-          except Exception as e:  # noqa: BLE001
-            print(f"  kvjax {cd} {layout} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-          rows.append(row("kvjax", cd, layout, batch, ctx, ms, item, config=cfg_name(cfg),
-                          h=geo.get("h", H), d=geo.get("d", D)))
-    try:
-      ms = time_jax_builtin(batch, ctx, interpret=interpret, **geo)
-      rows.append(row("jax_builtin", "bfloat16", "HPND", batch, ctx, ms, 2, h=geo.get("h", H),
-                      d=geo.get("d", D)))
-    except Exception as e:  # noqa: BLE001
-      print(f"  jax_builtin failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    gt = {k: v for k, v in geo.items() if k in ("h", "d")}
-    ms = time_torch_sdpa(batch, ctx, **gt)
-    rows.append(row("torch_sdpa", "bfloat16", "dense", batch, ctx, ms, 2, h=geo.get("h", H),
-                    d=geo.get("d", D)))
+  print("== per-format decode table (ours and vLLM on the same cache)", flush=True)
+  use_vllm = vllm_peer.available() and not args.no_vllm and not interpret
+  rows = format_table(shapes, formats, interpret, geo, use_vllm)
+  peers = []
+  if not args.no_peers:
+    print("== peers (bf16): JAX's built-in Pallas paged_attention, torch SDPA on dense KV",
+          flush=True)
+    for batch, ctx in shapes:
+      try:
+        ms = time_jax_builtin(batch, ctx, interpret=interpret, **geo)
+        peers.append(row("jax_builtin", "bfloat16", "HPND", batch, ctx, ms, 2,
+                         h=geo.get("h", H), d=geo.get("d", D)))
+      except Exception as e:  # noqa: BLE001
+        print(f"  jax_builtin failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      gt = {k: v for k, v in geo.items() if k in ("h", "d")}
+      ms = time_torch_sdpa(batch, ctx, **gt)
+      peers.append(row("torch_sdpa", "bfloat16", "dense", batch, ctx, ms, 2, h=geo.get("h", H),
+                       d=geo.get("d", D)))
 
+  checks = []
   if not args.no_checks:
     print("== compiled correctness vs reference (kernel on a poisoned cache)", flush=True)
     checks = run_checks(rng, interpret, CHECKS[:2] if smoke else CHECKS,
-                        lens=(1, 20, 0) if smoke else (1, 37, 300, 0, 64), config=best["bfloat16"])
+                        lens=(1, 20, 0) if smoke else (1, 37, 300, 0, 64))
 
-  result = dict(info, copy_tb_s=round(copy, 3), rows=rows, sweep=sweep, checks=checks,
-                best_config={k: cfg_name(v) for k, v in best.items()},
+  result = dict(info, copy_tb_s=round(copy, 3), rows=rows, peers=peers, checks=checks,
                 dispatch_floor_ms=floor, chain=CHAIN,
-                kv_bytes_counted="sum over sequences of seq_len * H * 2 * D * itemsize")
+                bytes_counted="batch * context * page_bytes / block_size (data and scales)")
   os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
   with open(json_path, "w") as f:
     json.dump(result, f, indent=1)
-  print(json.dumps({k: v for k, v in result.items() if k not in ("sweep",)}), flush=True)
-  print("== summary (TB/s KV read)", flush=True)
-  for r in rows:
-    print(f"{r['kernel']:11s} {r['cache_dtype']:9s} {r['layout']:5s} {r['batch']:4d}x"
-          f"{r['context']:<6d} {r['tb_per_s']:6.3f} TB/s {r['ms']:8.4f} ms "
-          f"{r.get('config', '')}")
+  print(markdown(rows), flush=True)
   if any(not c["ok"] for c in checks):
     print("SOME CHECKS FAILED", flush=True)
     sys.exit(1)

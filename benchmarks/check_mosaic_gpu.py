@@ -36,7 +36,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PARTS = {"checks": 240, "bench": 150}    # seconds each part may take
+PARTS = {"checks": 240, "bench": 150, "rule": 150}    # seconds each part may take
 PREFIX = "@@"                             # result lines the parent collects
 
 
@@ -51,7 +51,7 @@ def first_lines(e: BaseException, n: int = 3) -> str:
 
 
 # -- problems ----------------------------------------------------------------------------------
-def paged_batch(rng, spec, q_lens, ctx_lens, hq, pad=0, fill="nan"):
+def paged_batch(rng, spec, q_lens, ctx_lens, hq, pad=0, fill="nan", scales=None):
   """(q, cache, qsl, seq_lens, block_table) with shuffled pages.
 
   fill="nan": NaN cache, then every token of every sequence written (small checks);
@@ -77,13 +77,14 @@ def paged_batch(rng, spec, q_lens, ctx_lens, hq, pad=0, fill="nan"):
   if fill == "random":
     cache = jax.random.normal(jax.random.PRNGKey(int(rng.integers(1 << 30))), shape,
                               jnp.float32).astype(spec.dtype)
-  else:
-    cache = jnp.full(shape, jnp.nan, spec.dtype)
+  else:   # 0xFF bytes: NaN in 16-bit floats, NaN data and scales in quantized formats
+    raw = np.full(int(np.prod(shape)) * spec.itemsize, 0xFF, np.uint8)
+    cache = jnp.asarray(raw.view(spec.storage_dtype).reshape(shape))
     slots = np.concatenate([bt[s, np.arange(L) // n] * n + np.arange(L) % n
                             for s, L in enumerate(seq_lens)]).astype(np.int32)
     kv = (len(slots), spec.num_kv_heads, spec.head_size)
     k, v = (jnp.asarray(rng.standard_normal(kv), spec.dtype) for _ in range(2))
-    cache = write_kv(cache, k, v, jnp.asarray(slots), spec)
+    cache = write_kv(cache, k, v, jnp.asarray(slots), spec, k_scale=scales, v_scale=scales)
   q = jnp.asarray(rng.standard_normal((int(q_lens.sum()) + pad, hq, spec.head_size)),
                   spec.dtype)
   qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -147,6 +148,11 @@ CHECKS = [
     # sequences start at token offsets 0,1,3,6,2,7,5,4 (mod 8): q tiles at every alignment
     ("HND G=4 D=128 q tiles at every token offset mod 8", "HND", 2, 4, 128, 16,
      [9, 10, 11, 12, 13, 14, 15, 17], [0, 5, 0, 20, 3, 0, 40, 7], 3, {}),
+    # quantized caches, read through a plain copy of the batch's pages (default variant only)
+    ("HND G=4 D=128 int8 per token-head (plain copy)", "HND", 2, 4, 128, 16,
+     [300, 1, 77], [0, 1000, 500], 5, dict(cache_dtype="int8_per_token_head")),
+    ("NHD G=4 D=128 fp8 per tensor (plain copy)", "NHD", 2, 4, 128, 16,
+     [200, 1, 64], [30, 700, 0], 2, dict(cache_dtype="fp8", scales=0.5)),
 ]
 
 
@@ -176,21 +182,26 @@ def run_checks():
     kw = dict(kw)
     dtype = jnp.dtype(kw.pop("dtype", "bfloat16"))
     mql = kw.pop("max_query_len", max(ql))
+    cache_dtype = kw.pop("cache_dtype", "auto")
+    scales = kw.pop("scales", None)
+    if scales is not None:
+      kw.update(k_scale=scales, v_scale=scales)
+    variants = PV_VARIANTS if cache_dtype == "auto" else (DEFAULT_PV,)
     try:
-      spec = kvjax.KVCacheSpec(h, d, n, layout=layout, dtype=dtype)
-      q, cache, qsl, sl, bt = paged_batch(rng, spec, ql, cl, h * g, pad=pad)
+      spec = kvjax.KVCacheSpec(h, d, n, cache_dtype, layout=layout, dtype=dtype)
+      q, cache, qsl, sl, bt = paged_batch(rng, spec, ql, cl, h * g, pad=pad, scales=scales)
       if kw.pop("sinks", False):
         kw["sinks"] = jnp.asarray(rng.standard_normal(h * g) * 2, jnp.float32)
       scale = d ** -0.5
       r = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, scale=scale, **kw))(
           q, cache, query_start_loc=qsl, seq_lens=sl, block_table=bt), np.float32)
     except Exception as e:  # noqa: BLE001 - report and go on with the next case
-      for pv in PV_VARIANTS:
+      for pv in variants:
         emit("check", name=name, pv=pv, ok=False, error="setup: " + first_lines(e))
       continue
     real = int(np.sum(ql))
     mag = float(np.max(np.abs(r))) if r.size else 0.0
-    for pv in PV_VARIANTS:
+    for pv in variants:
       t0 = time.time()
       try:
         out = ours_fn(spec, scale, mql, pv=pv, **kw)(q, cache, qsl, sl, bt)
@@ -268,6 +279,89 @@ def run_bench(smoke: bool = False):
     f = ours_fn(spec, scale, max(ql), geometry=geo)
     timed(f"Mosaic GPU (ours, {DEFAULT_PV}) NHD bq={bq} wgs={wgs} bk={bk} stages={stages}",
           problem, lambda: time_jax(f, *args, **timing), flops)
+
+
+#: (name, q_lens, ctx_lens): batches from pure decode to long prefill, for the rule that says
+#: where ``auto`` takes the Mosaic GPU kernel over the Triton one (same bf16 NHD cache).
+RULE_BATCHES = [
+    ("64 decodes at 4096", [1] * 64, [4095] * 64),
+    ("256 decodes at 1024", [1] * 256, [1023] * 256),
+    ("64 x 4 tokens at 4096 (speculative)", [4] * 64, [4092] * 64),
+    ("32 x 16 tokens at 2048", [16] * 32, [2032] * 32),
+    ("8 x 128-token chunks on 2048", [128] * 8, [2048] * 8),
+    ("1 x 512 prefill + 32 decodes at 2048", [512] + [1] * 32, [0] + [2047] * 32),
+    ("2 x 2048 prefill", [2048] * 2, [0] * 2),
+]
+#: Cache formats the Triton ragged kernel is timed on for a 4 x 4096 causal prefill.
+QUANT_PREFILL_FORMATS = ("bfloat16", "fp8", "int8_per_token_head", "fp8_per_token_head",
+                         "int4_per_token_head", "nvfp4")
+
+
+def run_rule(smoke: bool = False, quant_only: bool = False):
+  """Triton vs Mosaic GPU across query lengths (the auto rule), and every cache format on a
+  4 x 4096 causal prefill: the Triton ragged kernel reading the quantized pages in its inner
+  loop (``plain_copy=False``), through a plain copy of them (``kvjax.plain_copy``), and the
+  Mosaic GPU kernel (through the copy)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import kvjax
+  from benchmarks.common import time_jax
+  rng = np.random.default_rng(2)
+  scale = D ** -0.5
+  timing = dict(reps=1, inner=1, warmup=1) if smoke else {}
+  batches = [("2 decodes", [1, 1], [30, 60]), ("1 x 40 prefill", [40], [0])] if smoke \
+      else RULE_BATCHES
+  if quant_only:
+    batches = []
+  for problem, ql, cl in batches:
+    flops = 4 * visible_pairs(ql, cl) * HQ * D
+    spec = kvjax.KVCacheSpec(H, D, N, layout="NHD", dtype=jnp.bfloat16)
+    args = paged_batch(rng, spec, ql, cl, HQ, fill="random")
+    for impl, fn in (("Pallas-Triton", triton_fn), ("Mosaic GPU", ours_fn)):
+      f = fn(spec, scale, max(ql))
+      try:
+        ms = time_jax(f, *args, **timing)
+        emit("bench", impl=impl, problem=problem, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
+             part="rule", max_query_len=max(ql))
+      except Exception as e:  # noqa: BLE001
+        emit("bench", impl=impl, problem=problem, error=first_lines(e), part="rule")
+    del args
+  s, L = (1, 64) if smoke else (4, 4096)
+  ql, cl = [L] * s, [0] * s
+  flops = 4 * visible_pairs(ql, cl) * HQ * D
+  for cd in QUANT_PREFILL_FORMATS:
+    spec = kvjax.KVCacheSpec(H, D, N, cache_dtype=cd, layout="HND" if cd == "nvfp4" else "NHD",
+                             dtype=jnp.bfloat16)
+    ks = 1.0 if cd in ("fp8", "nvfp4") else None
+    q = jnp.asarray(rng.standard_normal((s * L, HQ, D)), jnp.bfloat16)
+    pages = s * L // N + 8
+    shape = spec.physical_shape(pages)
+    if spec.storage_dtype.itemsize >= 2 or cd == "fp8":
+      cache = jnp.asarray(rng.standard_normal(shape) * 0.5).astype(spec.storage_dtype)
+    else:   # small random codes (finite scales)
+      cache = jnp.asarray(rng.integers(0, 64, shape), spec.storage_dtype)
+    bt = jnp.asarray(rng.permutation(pages)[: s * L // N].reshape(s, L // N), jnp.int32)
+    qsl = jnp.asarray(np.arange(s + 1) * L, jnp.int32)
+    sl = jnp.full((s,), L, jnp.int32)
+    from pallas_kernels.triton.ragged import ragged_paged_attention
+    variants = [("Pallas-Triton", triton_fn(spec, scale, L, k_scale=ks, v_scale=ks))]
+    if cd != "bfloat16":
+      variants.append(("Pallas-Triton in-loop dequant", jax.jit(
+          lambda q, c, qsl, sl, bt, spec=spec, ks=ks: ragged_paged_attention(
+              q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=scale,
+              k_scale=ks, v_scale=ks, max_query_len=L, plain_copy=False))))
+    variants.append(("Mosaic GPU", ours_fn(spec, scale, L, k_scale=ks, v_scale=ks)))
+    for impl, f in variants:
+      name = f"{impl} {cd}"
+      try:
+        ms = time_jax(f, q, cache, qsl, sl, bt, **timing)
+        emit("bench", impl=name, problem=f"{s}x{L} causal prefill, per format", ms=ms,
+             tflops=flops / (ms * 1e-3) / 1e12, part="quant_prefill")
+      except Exception as e:  # noqa: BLE001
+        emit("bench", impl=name, problem=f"{s}x{L} causal prefill, per format",
+             error=first_lines(e), part="quant_prefill")
+    del cache
 
 
 def dense_baselines(timed, problem, s, L, flops):
@@ -367,6 +461,8 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--part", choices=sorted(PARTS), help="run one part here (child mode)")
   ap.add_argument("--only", choices=sorted(PARTS), help="run only this part (parent mode)")
+  ap.add_argument("--quant-only", action="store_true",
+                  help="rule part: only the per-format prefill")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny timing problems (CPU: checks the plumbing, every GPU item fails)")
   args = ap.parse_args()
@@ -376,6 +472,9 @@ def main():
   if args.part == "bench":
     run_bench(args.smoke)
     return
+  if args.part == "rule":
+    run_rule(args.smoke, args.quant_only)
+    return
   from benchmarks.common import now_utc, versions
   t0 = time.time()
   ver = versions()
@@ -384,7 +483,8 @@ def main():
   for part, limit in PARTS.items():
     if args.only and part != args.only:
       continue
-    rows, status = run_part(part, limit, ["--smoke"] if args.smoke else [])
+    extra = (["--smoke"] if args.smoke else []) + (["--quant-only"] if args.quant_only else [])
+    rows, status = run_part(part, limit, extra)
     result["parts"][part] = status
     result["rows"] += rows
   checks = [r for r in result["rows"] if r["kind"] == "check"]
@@ -408,9 +508,8 @@ def main():
   for pv in variants:
     rows = [r for r in checks if r["pv"] == pv]
     n_pass = sum(r["ok"] for r in rows)
-    print(f"variant {pv}: {n_pass}/{len(names)} checks PASS")
-  good = [pv for pv in variants
-          if sum(r["ok"] for r in checks if r["pv"] == pv) == len(CHECKS)]
+    print(f"variant {pv}: {n_pass}/{len(rows)} checks PASS")
+  good = [pv for pv in variants if all(r["ok"] for r in checks if r["pv"] == pv)]
   print(f"VARIANTS PASSING EVERY CHECK: {', '.join(good) if good else 'none'}")
   impls = list(dict.fromkeys(r["impl"] for r in bench))
   problems = list(dict.fromkeys(r["problem"] for r in bench))

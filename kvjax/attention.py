@@ -49,7 +49,10 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
   V.check_softmax_scale(scale)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
-  run = registry.ATTENTION.choose(impl, interpret, spec, q.dtype)
+  call = registry.AttentionCall(num_tokens=q.shape[0], num_q_heads=q.shape[1],
+                                num_seqs=seq_lens.shape[0],
+                                max_blocks=block_table.shape[1], max_query_len=max_query_len)
+  run = registry.ATTENTION.choose(impl, interpret, spec, q.dtype, call=call)
   return run(q, cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
              block_table=block_table, scale=scale, causal=causal, sliding_window=sliding_window,
              soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,

@@ -192,6 +192,56 @@ def dequantize_int4(packed, stored_scale):
   return (q - zp[..., None]) * scale[..., None]
 
 
+# -- exact float16 operands for the kernels' dots --------------------------------------------------
+# Every quantized value (int8, int4 codes, e2m1, e4m3) is exact in float16, so the attention
+# kernels feed their tensor-core dots float16 operands. These build them from the stored bits
+# with integer ops (float16 1024 has an ulp of 1, so bits ``0x6400 | n`` hold ``1024 + n``
+# exactly for n < 1024) instead of per-element integer-to-float conversions.
+F16_MAX = 65504.0
+_U16 = jnp.uint16
+
+
+def biased_f16(n, flip: int = 0):
+  """uint8 ``n`` -> float16 ``1024 + (n ^ flip)`` (exact), built from its bits: one xor of the
+  widened byte with ``0x6400 | flip`` (``flip`` < 256)."""
+  return jax.lax.bitcast_convert_type(n.astype(_U16) ^ _U16(0x6400 | flip), jnp.float16)
+
+
+def int8_to_f16(x):
+  """int8 -> float16, exact: ``1024 + (x + 128) - 1152``, with ``x + 128`` the byte ``x ^ 0x80``."""
+  return biased_f16(jax.lax.bitcast_convert_type(x, jnp.uint8), 0x80) - jnp.float16(1152.0)
+
+
+def nibbles_to_f16(packed):
+  """uint8 bytes of two int4 codes -> (low code, 16 x high code) as float16, exact: each
+  nibble masked in place into the mantissa of 1024 (the high one stays 4 bits up, so it
+  carries a factor 16 that the caller divides out of its float32 dot product), then 1024
+  subtracted."""
+  w = packed.astype(_U16)
+  lo = jax.lax.bitcast_convert_type((w & _U16(0x0F)) | _U16(0x6400), jnp.float16)
+  hi = jax.lax.bitcast_convert_type((w & _U16(0xF0)) | _U16(0x6400), jnp.float16)
+  return lo - jnp.float16(1024.0), hi - jnp.float16(1024.0)
+
+
+def e2m1_pair_to_f16(packed):
+  """uint8 bytes of two e2m1 codes -> (low, high) values as float16, exact, from their bits:
+  a code's 3 magnitude bits placed at float16 bits 9-11 give ``value * 2**-14`` for every
+  code (e = 0 lands on the float16 subnormals, as e2m1's own subnormal 0.5 does), its sign
+  bit goes to bit 15, then one exact power-of-two scaling. Same values as
+  :func:`e2m1_decode`."""
+  w = packed.astype(_U16)
+  lo = ((w << _U16(9)) & _U16(0x0E00)) | ((w << _U16(12)) & _U16(0x8000))
+  hi = ((w << _U16(5)) & _U16(0x0E00)) | ((w << _U16(8)) & _U16(0x8000))
+  return tuple(jax.lax.bitcast_convert_type(b, jnp.float16) * jnp.float16(16384.0)
+               for b in (lo, hi))
+
+
+def to_f16_saturating(x):
+  """Any float -> float16, clamped to float16's finite range (a bfloat16 query beyond it
+  would otherwise become inf)."""
+  return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+
+
 # -- nvfp4 -------------------------------------------------------------------------------------
 def e2m1_encode(y):
   """float32 -> 4-bit e2m1 code (uint8 in [0, 15]), round to nearest even, saturating.

@@ -16,13 +16,16 @@ only. Arguments arrive validated by the public op: implementations do not re-che
 An implementation declares where it runs compiled (``platforms``: "cpu", "gpu", "tpu") and,
 through its ``supports`` function, which calls it handles: ``supports(*args) -> None`` (yes)
 or a string saying why not. The arguments of ``supports`` per op: WRITE and READ ``(spec,)``,
-ATTENTION ``(spec, q_dtype)``.
+ATTENTION ``(spec, q_dtype)``. An implementation that is faster than the ones after it only
+for some calls also gives a ``prefer`` rule, ``prefer(*args, call) -> None | reason``, with
+``call`` the static facts of the call (:class:`AttentionCall` for ATTENTION, None when
+unknown): ``auto`` passes it over where the rule says no, a named ``impl`` runs regardless.
 
 ``impl="auto"`` takes the first registered implementation that runs compiled on the default
-backend's platform and supports the call (never an interpret-mode kernel); a named ``impl``
-must support the call, and runs in interpret mode where it is not native (``interpret=None``)
-or when asked (``interpret=True``). :func:`explain` says which implementation runs a call and
-why the others were passed over.
+backend's platform, supports the call and (if it has a rule) is preferred for it (never an
+interpret-mode kernel); a named ``impl`` must support the call, and runs in interpret mode
+where it is not native (``interpret=None``) or when asked (``interpret=True``).
+:func:`explain` says which implementation runs a call and why the others were passed over.
 
 Entry points and supports functions may be given as ``"module:attribute"`` strings, imported
 on first use: a backend whose module cannot import on this jax (e.g. Mosaic GPU on an old
@@ -38,6 +41,25 @@ import jax
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 Target = Union[Callable, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+  """Static facts of one attention call, for the ``prefer`` rules of :data:`ATTENTION`.
+
+  Attributes:
+    num_tokens: T, query tokens (padding included).
+    num_q_heads: Hq.
+    num_seqs: S.
+    max_blocks: block-table width.
+    max_query_len: the caller's static bound on any sequence's query length (None: unknown,
+      up to T).
+  """
+  num_tokens: int
+  num_q_heads: int
+  num_seqs: int
+  max_blocks: int
+  max_query_len: Optional[int] = None
 
 
 def platform() -> str:
@@ -63,12 +85,15 @@ class Implementation:
       every call).
     platforms: platforms it runs compiled on.
     interpretable: a Pallas kernel that also runs in interpret mode on any platform.
+    prefer: ``prefer(*args, call) -> None | reason``: where ``auto`` takes it (None = every
+      supported call).
   """
   name: str
   entry: Target
   supports: Optional[Target]
   platforms: Tuple[str, ...]
   interpretable: bool
+  prefer: Optional[Target] = None
 
   @property
   def fn(self) -> Callable:
@@ -82,6 +107,10 @@ class Implementation:
     except ImportError as e:                                     # a backend this jax lacks
       return f"cannot import it: {e}"
     return None if check is None else check(*args)
+
+  def not_preferred(self, *args, call=None) -> Optional[str]:
+    """None when ``auto`` should take this implementation for the call, else why not."""
+    return None if self.prefer is None else _load(self.prefer)(*args, call)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +147,15 @@ class Registry:
 
   def register(self, name: str, entry: Target, *, supports: Optional[Target] = None,
                platforms=PLATFORMS, interpretable: bool = False,
-               before: Optional[str] = None) -> Implementation:
-    """Add an implementation (last, or just before the one named ``before``)."""
+               before: Optional[str] = None, prefer: Optional[Target] = None) -> Implementation:
+    """Add an implementation (last, or just before the one named ``before``); ``prefer``:
+    its auto rule (module docstring)."""
     bad = [p for p in platforms if p not in PLATFORMS]
     if bad:
       raise ValueError(f"platforms must be among {PLATFORMS}, got {bad}")
     if name in self.names() or name == "auto":
       raise ValueError(f"{self.op}: implementation {name!r} is already registered")
-    impl = Implementation(name, entry, supports, tuple(platforms), interpretable)
+    impl = Implementation(name, entry, supports, tuple(platforms), interpretable, prefer)
     pos = len(self._impls) if before is None else self.names().index(self.get(before).name)
     self._impls.insert(pos, impl)
     return impl
@@ -151,10 +181,11 @@ class Registry:
     if impl != "auto":
       self.get(impl)
 
-  def choose(self, impl: str, interpret, *args, on: Optional[str] = None) -> Choice:
+  def choose(self, impl: str, interpret, *args, on: Optional[str] = None, call=None) -> Choice:
     """Resolve ``impl`` ("auto" or a name) for a call whose supports-arguments are ``args``.
 
-    ``on``: the platform to decide for (default: the default backend's).
+    ``on``: the platform to decide for (default: the default backend's). ``call``: the
+    call's static facts for the ``prefer`` rules (:class:`AttentionCall`; None: unknown).
     Raises ValueError when a named implementation cannot run the call.
     """
     self.check(impl)
@@ -175,6 +206,8 @@ class Registry:
         skipped.append((cand.name, f"runs compiled on {'/'.join(cand.platforms)}, not {on}"))
         continue
       why = cand.reason(*args)
+      if why is None:
+        why = cand.not_preferred(*args, call=call)
       if why is not None:
         skipped.append((cand.name, why))
         continue
@@ -190,11 +223,12 @@ REGISTRIES = {"write": WRITE, "attention": ATTENTION, "read": READ}
 
 
 def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
-            platform: Optional[str] = None) -> Choice:
+            platform: Optional[str] = None, call: Optional[AttentionCall] = None) -> Choice:
   """Which implementation runs ``op`` ("write", "attention" or "read") for ``spec``, and why.
 
   ``q_dtype``: the query dtype (attention; default the spec's model dtype). ``platform``:
-  decide for "cpu", "gpu" or "tpu" instead of the default backend. The returned
+  decide for "cpu", "gpu" or "tpu" instead of the default backend. ``call``: the shapes of an
+  attention call (:class:`AttentionCall`), for the rules that depend on them. The returned
   :class:`Choice` prints as a short report::
 
     >>> print(kvjax.explain("attention", spec, platform="gpu"))
@@ -203,7 +237,7 @@ def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
   if op not in REGISTRIES:
     raise ValueError(f"op={op!r} must be one of {sorted(REGISTRIES)}")
   args = (spec, spec.dtype if q_dtype is None else q_dtype) if op == "attention" else (spec,)
-  return REGISTRIES[op].choose(impl, interpret, *args, on=platform)
+  return REGISTRIES[op].choose(impl, interpret, *args, on=platform, call=call)
 
 
 # -- Built-in implementations: one line per (op, implementation), in the order auto tries them.
@@ -218,10 +252,11 @@ ATTENTION.register("pallas", f"{_TRITON}.attention:unified_attention",
 READ.register("pallas", f"{_TRITON}.dequant:dequantize_pages",
               supports=f"{_TRITON}.dequant:supports_read", platforms=("gpu",),
               interpretable=True)
-# Mosaic GPU (Hopper): after the Triton kernels, so auto keeps those until a measured rule
-# (in its supports function) says where Mosaic GPU is faster; impl="mosaic_gpu" runs it.
+# Mosaic GPU (Hopper): before the Triton kernels, taken by auto where its measured rule
+# (pallas_kernels.mosaic_gpu.ragged_attention.prefer_attention) says it is faster.
 ATTENTION.register("mosaic_gpu", "pallas_kernels.mosaic_gpu:ragged_paged_attention",
-                   supports="pallas_kernels.mosaic_gpu:supports_attention", platforms=("gpu",))
+                   supports="pallas_kernels.mosaic_gpu:supports_attention", platforms=("gpu",),
+                   prefer="pallas_kernels.mosaic_gpu:prefer_attention", before="pallas")
 WRITE.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:write_kv",
                supports="pallas_kernels.mosaic_tpu:supports_write", platforms=("tpu",),
                interpretable=True)

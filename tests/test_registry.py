@@ -16,7 +16,9 @@ def test_auto_per_platform(op):
   assert (cpu.name, cpu.interpret) == ("reference", False)
   assert ("pallas", "runs compiled on gpu, not cpu") in cpu.skipped
   gpu = kvjax.explain(op, SPEC, platform="gpu")
-  assert (gpu.name, gpu.interpret, gpu.skipped) == ("pallas", False, ())
+  assert (gpu.name, gpu.interpret) == ("pallas", False)
+  # attention: Mosaic GPU comes first but has a rule (and needs jax >= 0.11 and an sm90 GPU)
+  assert [name for name, _ in gpu.skipped] == (["mosaic_gpu"] if op == "attention" else [])
   tpu = kvjax.explain(op, SPEC, platform="tpu")
   assert tpu.name != "pallas"
   assert str(cpu).startswith(f"{op} on cpu: reference (compiled)")
@@ -34,7 +36,8 @@ def test_named_implementations_and_interpret():
     registry.WRITE.choose("cuda", None, SPEC)
   with pytest.raises(ValueError, match="q dtype int8"):
     registry.ATTENTION.choose("pallas", None, SPEC, jnp.int8, on="gpu")
-  assert kvjax.explain("attention", SPEC, jnp.int8, platform="gpu").skipped[0][0] == "pallas"
+  skipped = dict(kvjax.explain("attention", SPEC, jnp.int8, platform="gpu").skipped)
+  assert "q dtype int8" in skipped["pallas"]
   with pytest.raises(ValueError, match="op='dequant'"):
     kvjax.explain("dequant", SPEC)
 
@@ -55,3 +58,52 @@ def test_a_backend_that_cannot_import_is_passed_over_with_the_reason():
   finally:
     registry.WRITE.unregister("mosaic_future")
   assert "mosaic_future" not in registry.WRITE.names()
+
+
+def test_a_prefer_rule_decides_auto_only():
+  """``prefer``: auto passes an implementation over where its rule says no (with the
+  rule's reason) and takes it where it says yes; a named impl runs regardless."""
+  def rule(spec, q_dtype, call):
+    if call is None or call.max_query_len is None or call.max_query_len < 64:
+      return "only for max_query_len >= 64"
+    return None
+
+  registry.ATTENTION.register("long_queries", "kvjax.reference.attention:unified_attention",
+                              platforms=("gpu",), prefer=rule, before="mosaic_gpu")
+  try:
+    short = registry.AttentionCall(num_tokens=8, num_q_heads=8, num_seqs=8, max_blocks=4,
+                                   max_query_len=1)
+    long = registry.AttentionCall(num_tokens=512, num_q_heads=8, num_seqs=2, max_blocks=32,
+                                  max_query_len=256)
+    choice = kvjax.explain("attention", SPEC, platform="gpu", call=short)
+    assert choice.name == "pallas"
+    assert ("long_queries", "only for max_query_len >= 64") in choice.skipped
+    assert kvjax.explain("attention", SPEC, platform="gpu").name == "pallas"   # call unknown
+    assert kvjax.explain("attention", SPEC, platform="gpu", call=long).name == "long_queries"
+    named = registry.ATTENTION.choose("long_queries", None, SPEC, jnp.bfloat16, on="gpu",
+                                      call=short)
+    assert named.name == "long_queries"
+  finally:
+    registry.ATTENTION.unregister("long_queries")
+
+
+def test_mosaic_gpu_auto_rule():
+  """The measured rule: Mosaic GPU for static max_query_len >= 128, a GQA group it packs,
+  and on quantized caches only where the plain copy of the pages pays."""
+  from pallas_kernels.mosaic_gpu import prefer_attention
+  from pallas_kernels.mosaic_gpu.ragged_attention import AUTO_MIN_QUERY_LEN
+
+  def call(mql, tokens=16384, hq=32, seqs=4, blocks=256):
+    return registry.AttentionCall(num_tokens=tokens, num_q_heads=hq, num_seqs=seqs,
+                                  max_blocks=blocks, max_query_len=mql)
+
+  plain = kvjax.KVCacheSpec(8, 128, 16)
+  assert "gives none" in prefer_attention(plain, jnp.bfloat16, None)
+  assert "gives none" in prefer_attention(plain, jnp.bfloat16, call(None))
+  assert "Triton kernels are faster" in prefer_attention(plain, jnp.bfloat16,
+                                                         call(AUTO_MIN_QUERY_LEN - 1))
+  assert prefer_attention(plain, jnp.bfloat16, call(AUTO_MIN_QUERY_LEN)) is None
+  assert "GQA group 32" in prefer_attention(plain, jnp.bfloat16, call(4096, hq=256))
+  fp8 = kvjax.KVCacheSpec(8, 128, 16, "fp8")
+  assert prefer_attention(fp8, jnp.bfloat16, call(4096)) is None          # prefill: copy pays
+  assert "plain copy" in prefer_attention(fp8, jnp.bfloat16, call(128, tokens=192, seqs=64))

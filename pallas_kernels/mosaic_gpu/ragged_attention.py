@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import formats as F
+from kvjax import plain_copy as PC
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
 from pallas_kernels.mosaic_gpu import tiles as TL
@@ -47,14 +47,18 @@ def _gpu_reason() -> str | None:
 
 
 def spec_reason(spec: KVCacheSpec, q_dtype, group: int | None = None) -> str | None:
-  """Why the kernel cannot take this spec / q dtype / GQA group (None: it can). Device-free."""
+  """Why the kernel cannot take this spec / q dtype / GQA group (None: it can). Device-free.
+
+  The kernel reads plain 16-bit caches in q's dtype; quantized caches it reads through a
+  plain copy of the batch's pages in q's dtype (:mod:`kvjax.plain_copy`)."""
   if not isinstance(spec, KVCacheSpec):
     return f"spec must be a kvjax.KVCacheSpec, got {type(spec).__name__}"
-  if spec.format.kind != F.PLAIN:
-    return f"cache_dtype={spec.cache_dtype!r}: the Mosaic GPU kernel reads plain 16-bit caches"
-  if np.dtype(spec.storage_dtype) not in SUPPORTED_Q_DTYPES:
+  if np.dtype(q_dtype) not in SUPPORTED_Q_DTYPES:
+    return f"q dtype {np.dtype(q_dtype)}: the kernel takes bfloat16/float16"
+  quantized = spec.codec.is_quantized
+  if not quantized and np.dtype(spec.storage_dtype) not in SUPPORTED_Q_DTYPES:
     return f"cache storage {np.dtype(spec.storage_dtype)}: the kernel takes bfloat16/float16"
-  if np.dtype(q_dtype) != np.dtype(spec.storage_dtype):
+  if not quantized and np.dtype(q_dtype) != np.dtype(spec.storage_dtype):
     return f"q dtype {np.dtype(q_dtype)} differs from the cache's {np.dtype(spec.storage_dtype)}"
   if spec.head_size not in SUPPORTED_HEAD_SIZES:
     return f"head_size={spec.head_size}: the kernel takes {SUPPORTED_HEAD_SIZES}"
@@ -75,6 +79,36 @@ def supports_attention(spec, q_dtype) -> str | None:
   return _gpu_reason()
 
 
+#: ``auto`` takes this kernel for batches whose static ``max_query_len`` is at least this:
+#: measured on the H200 (bf16, Hq=32, H=8, D=128, block 16, benchmarks/RESULTS.md "Mosaic
+#: GPU: where auto takes it"), it beat the Triton kernels on every batch with query chunks of
+#: 128 tokens and more (8 x 128 chunks on 2048: 0.26 vs 0.30 ms, up to 1 x 16384: 1.2x), and
+#: lost on pure decode (0.36 vs 0.28 ms at 64 x 4096) and on 32 x 16 tokens (0.25 vs 0.20).
+AUTO_MIN_QUERY_LEN = 128
+
+
+def prefer_attention(spec, q_dtype, call) -> str | None:
+  """The auto rule (registry ``prefer``): None when ``auto`` should take this kernel.
+
+  Yes for a batch with a static ``max_query_len >= AUTO_MIN_QUERY_LEN`` and a GQA group the
+  kernel packs; on a quantized cache only where the plain copy of its pages pays
+  (:func:`kvjax.plain_copy.worth_a_plain_copy`)."""
+  if call is None or call.max_query_len is None:
+    return ("auto takes it only for a static max_query_len >= "
+            f"{AUTO_MIN_QUERY_LEN} (the call gives none)")
+  if call.max_query_len < AUTO_MIN_QUERY_LEN:
+    return (f"max_query_len={call.max_query_len} < {AUTO_MIN_QUERY_LEN}: the Triton kernels "
+            "are faster there (measured)")
+  reason = spec_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
+  if reason is not None:
+    return reason
+  if spec.codec.is_quantized and not PC.worth_a_plain_copy(
+      spec, q_dtype, call.num_tokens, call.num_seqs, call.max_blocks):
+    return (f"cache_dtype={spec.cache_dtype!r}: too few query tokens for a plain copy of the "
+            "pages to pay")
+  return None
+
+
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
                            block_table, scale, causal=True, sliding_window=None, soft_cap=None,
                            sinks=None, k_scale=None, v_scale=None, max_query_len=None,
@@ -88,7 +122,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       ``[S, max_blocks]``.
     scale: softmax scale. causal, sliding_window, soft_cap: static.
     sinks: float32 ``[Hq]`` per-query-head sink logits or None.
-    k_scale, v_scale: unused (plain caches only); accepted for the common signature.
+    k_scale, v_scale: global scales of a quantized cache (read through a plain copy).
     max_query_len: static bound on every sequence's query length (None = T); its power-of-two
       bucket sets the tile's token count.
     interpret: run in Mosaic GPU interpret mode on CPU (jax >= 0.11; slow, small shapes).
@@ -111,8 +145,10 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  geometry: TL.TileGeometry | None = None):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), for benchmark sweeps."""
-  del k_scale, v_scale
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
+  if spec.codec.is_quantized:          # read through a plain copy in q's dtype
+    cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
+                                              dtype=q.dtype)
   t, hq, d = q.shape
   h = spec.num_kv_heads
   if hq % h:

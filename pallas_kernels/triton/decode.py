@@ -10,10 +10,12 @@ validated by ``kvjax.unified_attention``.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
@@ -36,6 +38,12 @@ def _kernel_scales(tf: TileFormat, k_scale, v_scale, scale=None):
   if scale is None:
     return ts
   return jnp.concatenate([ts, quant.per_head_scales(scale, tf.num_heads)[None]])
+
+
+def _scale_words(pages):
+  """One-byte pages ``[B, E]`` viewed as float32 words ``[B, E / 4]`` (a bitcast)."""
+  b, e = pages.shape
+  return jax.lax.bitcast_convert_type(pages.reshape(b, e // 4, 4), jnp.float32)
 
 
 def merge_splits(acc, m, l, sinks, num_groups: int):
@@ -87,6 +95,8 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   h = spec.num_kv_heads
   g = hq // h
   tf = TileFormat.of(spec, q.dtype)
+  tf = dataclasses.replace(tf, fast_decode=config.fast_decode, compute_dtype=np.dtype(
+      config.compute_dtype or tf.compute_dtype))
   num_blocks = cache.shape[0]
   splits = choose_num_splits(config, s, h, jnp.shape(block_table)[1], spec.block_size)
   sink_hg = (jnp.zeros((h, g), jnp.float32) if sinks is None
@@ -96,11 +106,13 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
     seq_of_row = jnp.arange(s, dtype=jnp.int32)
   else:
     seq_of_row = RB.decode_sequences(query_start_loc, s)
+  pages = cache.reshape(num_blocks, tf.page_elems)
   res = decode_call(
       q.reshape(s, h, g, d), seq_of_row, jnp.asarray(seq_lens, jnp.int32),
       jnp.asarray(block_table, jnp.int32),
       _kernel_scales(tf, k_scale, v_scale, None if static_scale is not None else scale),
-      sink_hg, cache.reshape(num_blocks, tf.page_elems), tf=tf, config=config,
+      sink_hg, pages, _scale_words(pages) if config.scale_words and tf.scale_words else None,
+      tf=tf, config=config,
       num_splits=splits,
       scale=static_scale, window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,

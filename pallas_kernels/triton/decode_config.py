@@ -28,6 +28,13 @@ class DecodeConfig:
     prefetch: carry the next step's K/V tiles through the loop (loads of step
       i+1 are issued before the math of step i).
     num_warps, num_stages: Triton launch parameters.
+    fast_decode: the format hooks' :attr:`~pallas_kernels.triton.formats.TileFormat.fast_decode`
+      (float16 operands from the stored bits); False converts element by element.
+    scale_words: per-token-head formats of one-byte storage read their float32 row scales
+      from a float32 view of the pages (one load instead of four byte loads a scale; the
+      view is a bitcast: no copy, measured on the H200).
+    compute_dtype: dot operand dtype by name ("float16", "bfloat16", "float32"); None = the
+      one rule of :func:`pallas_kernels.triton.formats.compute_dtype`.
   """
   tokens_per_step: int = 64
   num_splits: Optional[int] = None
@@ -36,6 +43,9 @@ class DecodeConfig:
   prefetch: bool = False
   num_warps: int = 4
   num_stages: int = 2
+  fast_decode: bool = True
+  scale_words: bool = True
+  compute_dtype: Optional[str] = None
 
   def __post_init__(self):
     t = self.tokens_per_step
@@ -55,12 +65,15 @@ DEFAULT_CONFIG = DecodeConfig()
 
 
 def default_config(cache_itemsize: int) -> DecodeConfig:
-  """Measured defaults (H200, benchmarks/results/decode.md).
+  """Measured defaults (H200, Hq=32, H=8, D=128, block 16; benchmarks/sweep_decode.py, results
+  in benchmarks/RESULTS.md).
 
   Two-byte caches: one pass from 3 x 132 programs on (no merge; measured 3.93-3.96 TB/s at
   64 x 4096 vs 3.71-3.83 with 3 splits). One-byte caches are instruction-bound rather than
-  byte-bound: they pipeline deeper and keep splitting until 8 x 132 programs (one pass
-  measured 1.60 TB/s at 64 x 4096 vs 1.83-1.84 with 3 splits).
+  byte-bound (benchmarks/results/decode_sass.md): they pipeline deeper and keep splitting
+  until 8 x 132 programs (64 x 4096: one pass 289-298 us vs 240-251 with 3 splits for fp8,
+  396-470 vs 336-391 for the per-token-head formats); 128 or 32 tokens a step, 2 or 8 warps
+  and 4 stages measured slower or within noise.
   """
   if cache_itemsize == 1:
     return dataclasses.replace(DEFAULT_CONFIG, num_stages=3,

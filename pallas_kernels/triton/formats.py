@@ -59,15 +59,20 @@ def hooks_reason(spec):
 
 
 def compute_dtype(codec: Codec, storage, q_dtype) -> np.dtype:
-  """Dot operand dtype, one rule for every kernel: q's dtype when it is 16-bit and every
-  dequantized cache value (before scales) is exact in it, else float32.
+  """Dot operand dtype, one rule for every kernel.
 
-  Quantized values (fp8, int8, int4 codes, e2m1 x e4m3) are exact in bfloat16 and float16;
-  an unquantized cache only in its own dtype (a float32 or float16 cache read with bfloat16
-  queries computes in float32).
+  Quantized caches (fp8, int8, int4 codes, e2m1 x e4m3) with 16-bit queries: float16. Every
+  dequantized value (before scales) is exact in it, fp8 and the integer codes convert to it
+  in fewer instructions than to bfloat16 (e4m3 -> float16 is one conversion per two values
+  on Hopper; bfloat16 goes through float32), and its 10 mantissa bits hold q and the softmax
+  weights more precisely than bfloat16's 7. Queries are clamped to float16's range.
+  An unquantized cache computes in its own dtype when q has it, else in float32 (a float32
+  or float16 cache read with bfloat16 queries).
   """
   q_dtype = np.dtype(q_dtype)
-  if q_dtype in _SIXTEEN_BIT and (codec.is_quantized or np.dtype(storage) == q_dtype):
+  if q_dtype in _SIXTEEN_BIT and codec.is_quantized:
+    return np.dtype(np.float16)
+  if q_dtype in _SIXTEEN_BIT and np.dtype(storage) == q_dtype:
     return q_dtype
   return np.dtype(np.float32)
 
@@ -86,6 +91,9 @@ class TileFormat:
     data_pad: data_dim padded to a power of two (>= 16).
     page_elems: elements of one page.
     compute_dtype: dtype the dots run in (:func:`compute_dtype`).
+    fast_decode: build float16 operands from the stored bits with integer ops
+      (:func:`kvjax.quant.int8_to_f16`, ``nibbles_to_f16``, ``e2m1_pair_to_f16``) instead of
+      converting element by element (False: the plain conversions; same values).
   """
   codec: Codec
   storage: np.dtype
@@ -98,6 +106,7 @@ class TileFormat:
   data_pad: int
   page_elems: int
   compute_dtype: np.dtype
+  fast_decode: bool = True
 
   #: Even and odd head dims kept apart (q, accumulators and outputs in two parts).
   split: ClassVar[bool] = False
@@ -155,6 +164,22 @@ class TileFormat:
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
     return lax.dot_general(a.astype(self.compute_dtype), b.astype(self.compute_dtype), dims,
                            precision=self.precision, preferred_element_type=jnp.float32)
+
+  @property
+  def scale_words(self) -> bool:
+    """Whether :meth:`load_kv` can read scales from a float32 view of the pages."""
+    return False
+
+  @property
+  def fast_f16(self) -> bool:
+    """Whether float16 operands are built from bits (:attr:`fast_decode` and f16 dots)."""
+    return self.fast_decode and self.compute_dtype == np.dtype(np.float16)
+
+  def q_operand(self, q):
+    """A q tile as a dot operand (float16 operands: clamped to float16's range)."""
+    if self.compute_dtype == np.dtype(np.float16) and q.dtype != np.dtype(np.float16):
+      return quant.to_f16_saturating(q)
+    return q.astype(self.compute_dtype)
 
   def _cols(self):
     cols = jnp.arange(self.data_pad, dtype=_I32)
@@ -215,13 +240,20 @@ class RowFormat(TileFormat):
     return (1, True) if self.row_scaled else (8, False)
 
   def to_compute(self, x):
-    """Stored data tile -> compute dtype (up to its scale): fp8 stored as bytes is read as
-    its fp8 type first."""
+    """Stored data tile (or a q tile) -> compute dtype (up to its scale): fp8 stored as
+    bytes is read as its fp8 type first; int8 becomes float16 from its bits
+    (:attr:`fast_f16`)."""
     if x.dtype == np.dtype(np.uint8) and self.codec.quant is not None:
       x = quant.from_bits(x, self.codec.quant)
+    if x.dtype == np.dtype(np.int8) and self.fast_f16:
+      return quant.int8_to_f16(x)
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 2:
+      return self.q_operand(x)
     return x.astype(self.compute_dtype)
 
-  def load_kv(self, pages_ref, blk, tok, head, valid):
+  def load_kv(self, pages_ref, blk, tok, head, valid, words_ref=None):
+    """``words_ref``: the same pages as float32 words ``[B, page_elems / 4]`` (row scales
+    of one-byte formats sit at multiples of 4 bytes: one load each instead of four)."""
     cols, cmask = self._cols()
     mask = valid[:, None] & cmask[None, :]
     base = self.addr.offset(tok, head)
@@ -229,9 +261,18 @@ class RowFormat(TileFormat):
     v = self.gather(pages_ref, blk, base[:, None] + (cols + self.v_offset)[None, :], mask)
     if not self.row_scaled:
       return (k, v)
-    ks = self.gather_f32(pages_ref, blk, base + self.data_dim, valid)
-    vs = self.gather_f32(pages_ref, blk, base + self.v_offset + self.data_dim, valid)
+    offs = (base + self.data_dim, base + self.v_offset + self.data_dim)
+    if words_ref is not None:
+      ks, vs = (pltriton.load(words_ref.at[(blk, lax.div(o, 4))], mask=valid, other=0.0)
+                for o in offs)
+    else:
+      ks, vs = (self.gather_f32(pages_ref, blk, o, valid) for o in offs)
     return (k, v, ks, vs)
+
+  @property
+  def scale_words(self) -> bool:
+    """Whether the row scales can be read as float32 words of the pages (one-byte storage)."""
+    return self.row_scaled and self.storage.itemsize == 1
 
   def scores(self, q_parts, qsum, tiles, k_scale):
     s = self.dot(q_parts[0], self.to_compute(tiles[0]), trans_b=True)
@@ -295,17 +336,20 @@ class Int4Format(RowFormat):
   row_table: ClassVar[bool] = False
   write_defaults: ClassVar[tuple] = (1, True)
 
-  @staticmethod
-  def _codes(x):
-    """uint8 tile -> (low, high) nibbles as float32 codes."""
-    lo, hi = quant.nibbles(x)
-    return lo.astype(jnp.float32), hi.astype(jnp.float32)
+  def _codes(self, x):
+    """uint8 tile -> (low codes, high codes x f, f): float16 from their bits with the high
+    codes 16 x too (:attr:`fast_f16`, f = 16), else float32 (f = 1). Dots over the high codes
+    are divided by f."""
+    if self.fast_f16:
+      return (*quant.nibbles_to_f16(x), 16.0)
+    return (*(c.astype(jnp.float32) for c in quant.nibbles(x)), 1.0)
 
   def scores(self, q_parts, qsum, tiles, k_scale):
     k, _, ks, _ = tiles
     scale, zp = quant.int4_unpack_scale(ks)
-    lo, hi = self._codes(k)
-    s = self.dot(q_parts[0], lo, trans_b=True) + self.dot(q_parts[1], hi, trans_b=True)
+    lo, hi, f = self._codes(k)
+    s = (self.dot(q_parts[0], lo, trans_b=True) +
+         self.dot(q_parts[1], hi, trans_b=True) * (1.0 / f))
     return (s - qsum[:, None] * zp[None, :]) * scale[None, :]
 
   def values(self, p, tiles, v_scale):
@@ -313,14 +357,15 @@ class Int4Format(RowFormat):
     scale, zp = quant.int4_unpack_scale(vs)
     w = (p * scale[None, :]).astype(self.compute_dtype).astype(jnp.float32)
     corr = jnp.sum(w * zp[None, :], axis=1)[:, None]
-    lo, hi = self._codes(v)
-    return (self.dot(w, lo) - corr, self.dot(w, hi) - corr)
+    lo, hi, f = self._codes(v)
+    return (self.dot(w, lo) - corr, self.dot(w, hi) * (1.0 / f) - corr)
 
   def dequant(self, tiles, k_scale, v_scale):
     out = []
     for x, stored in ((tiles[0], tiles[2]), (tiles[1], tiles[3])):
       scale, zp = quant.int4_unpack_scale(stored)
-      out.append(tuple((c - zp[:, None]) * scale[:, None] for c in self._codes(x)))
+      out.append(tuple((c.astype(jnp.float32) - zp[:, None]) * scale[:, None]
+                       for c in quant.nibbles(x)))
     return tuple(out)
 
   def encode_side(self, p, div: Divider, io, side: int, head):
@@ -358,24 +403,43 @@ class Nvfp4Format(TileFormat):
     return SideLayout(self.addr, self.head_size // 16,
                       quant.nvfp4_v_scales_swizzled(self.block_size, self.head_size // 16))
 
-  def load_kv(self, pages_ref, blk, tok, head, valid):
+  @property
+  def scale_pad(self) -> int:
+    """Scale bytes per (token, head) row as loaded: D/16 padded to a power of two (each
+    covers 8 data bytes, so ``8 * scale_pad == data_pad``)."""
+    return self.data_pad // 8
+
+  def load_kv(self, pages_ref, blk, tok, head, valid, words_ref=None):
+    del words_ref
     lay = self.side
     cols, cmask = self._cols()
     mask = valid[:, None] & cmask[None, :]
     data = self.addr.offset(tok, head)                   # [T]
-    grp = (cols // 8)[None, :]                           # lo and hi nibbles of byte i: group i // 8
-    k_sc = lay.scale_offset(0, tok[:, None], head, grp)
-    v_sc = lay.side_elems + lay.scale_offset(1, tok[:, None], head, grp)
     kd = self.gather(pages_ref, blk, data[:, None] + cols[None, :], mask)
     vd = self.gather(pages_ref, blk, (lay.side_elems + data)[:, None] + cols[None, :], mask)
-    ksf = self.gather(pages_ref, blk, k_sc, mask)
-    vsf = self.gather(pages_ref, blk, v_sc, mask)
+    if self.fast_decode:   # one scale byte per 16-value group: [T, D/16], broadcast later
+      grp = jnp.arange(self.scale_pad, dtype=_I32)[None, :]
+      smask = valid[:, None] & (grp < lay.num_scales)
+    else:                  # the scale byte of every data byte i (group i // 8): [T, D/2]
+      grp, smask = (cols // 8)[None, :], mask
+    k_sc = lay.scale_offset(0, tok[:, None], head, grp)
+    v_sc = lay.side_elems + lay.scale_offset(1, tok[:, None], head, grp)
+    ksf = self.gather(pages_ref, blk, k_sc, smask)
+    vsf = self.gather(pages_ref, blk, v_sc, smask)
     return (kd, vd, ksf, vsf)
 
-  @staticmethod
-  def _values(data, sf_bytes):
-    """(even, odd) float32 values of a data tile with its per-byte e4m3 scale bytes."""
-    sf = quant.from_bits(sf_bytes, jnp.float8_e4m3fn).astype(jnp.float32)
+  def _values(self, data, sf_bytes, dtype=None):
+    """(even, odd) values of a data tile ``[T, data_pad]`` with its e4m3 scale bytes (one
+    per group ``[T, scale_pad]`` with :attr:`fast_decode`, else one per data byte): float16
+    from the bits with :attr:`fast_f16` (every product is exact in it), else float32."""
+    sf = quant.from_bits(sf_bytes, jnp.float8_e4m3fn)
+    if self.fast_decode:
+      t = sf.shape[0]
+      sf = jnp.broadcast_to(sf[:, :, None], (t, self.scale_pad, 8)).reshape(t, self.data_pad)
+    if self.fast_f16 and dtype is None:
+      sf = sf.astype(jnp.float16)
+      return tuple(x * sf for x in quant.e2m1_pair_to_f16(data))
+    sf = sf.astype(jnp.float32)
     return tuple(quant.e2m1_decode(c) * sf for c in quant.nibbles(data))
 
   def scores(self, q_parts, qsum, tiles, k_scale):
@@ -390,8 +454,9 @@ class Nvfp4Format(TileFormat):
 
   def dequant(self, tiles, k_scale, v_scale):
     kd, vd, ksf, vsf = tiles
-    return (tuple(x * k_scale for x in self._values(kd, ksf)),
-            tuple(x * v_scale for x in self._values(vd, vsf)))
+    f32 = jnp.float32
+    return (tuple(x * k_scale for x in self._values(kd, ksf, f32)),
+            tuple(x * v_scale for x in self._values(vd, vsf, f32)))
 
   # -- write: rows of the table are page sides -----------------------------------------------
   def write_scales(self, k_scale, v_scale):

@@ -29,6 +29,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from kvjax import plain_copy as PC
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
@@ -65,7 +66,8 @@ def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, inter
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
                            scale, causal=True, sliding_window=None, soft_cap=None, sinks=None,
                            k_scale=None, v_scale=None, max_query_len=None, interpret=False,
-                           tile_config: Optional[ragged_kernel.TileConfig] = None):
+                           tile_config: Optional[ragged_kernel.TileConfig] = None,
+                           plain_copy: Optional[bool] = None):
   """Ragged paged attention over the packed cache, one Pallas kernel.
 
   Args:
@@ -79,6 +81,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     max_query_len: static bound on per-sequence query length (None = T), bucketed (module doc).
     interpret: run the kernel in Pallas interpret mode (CPU tests).
     tile_config: override the tile sizes / launch parameters (benchmarks).
+    plain_copy: read a quantized cache through a plain copy of the named pages
+      (:mod:`kvjax.plain_copy`); None = :func:`kvjax.plain_copy.worth_a_plain_copy`.
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
   """
@@ -88,6 +92,12 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   num_seqs = seq_lens.shape[0]
   if t == 0 or num_seqs == 0:
     return jnp.zeros(q.shape, q.dtype)
+  if plain_copy is None:
+    plain_copy = PC.worth_a_plain_copy(spec, q.dtype, t, num_seqs, block_table.shape[1])
+  if plain_copy and spec.codec.is_quantized:
+    cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
+                                              dtype=q.dtype)
+    k_scale = v_scale = None
   promised = t if max_query_len is None else int(max_query_len)
   mql = min(next_pow2(promised), next_pow2(t))
   fmt = TileFormat.of(spec, q.dtype)

@@ -232,7 +232,7 @@ class _PageTiles:
       cols, cmask = fmt.part_cols(part)
       idx = self._idx(q_rows, jnp.minimum(cols, self.st.head_size - 1))
       qp = pltriton.load(self.q_ref.at[idx], mask=row_ok[:, None] & cmask[None, :], other=0.0)
-      q_parts.append(qp.astype(fmt.compute_dtype))
+      q_parts.append(fmt.q_operand(qp))
     qsum = sum(jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q_parts)
     state = (q_parts, qsum, self.ks_ref[self.h], self.vs_ref[self.h])
     return state, _softmax_scale(self.st, self.ks_ref) * _LOG2E

@@ -1,0 +1,175 @@
+"""Decode kernel configurations per cache format, side by side in one run (tuning aid).
+
+GPU (H200):  PYTHONUNBUFFERED=1 python3 benchmarks/sweep_decode.py [--shape 64x4096 ...]
+             [--formats fp8,nvfp4] [--json PATH]
+CPU smoke:   python benchmarks/sweep_decode.py --smoke
+
+For every cache format and layout, times the paged decode kernel
+(:func:`pallas_kernels.triton.decode.paged_decode_attention`) under each configuration of
+:data:`VARIANTS` (a :class:`~pallas_kernels.triton.decode_config.DecodeConfig` built on the
+format's default), bf16 queries, Hq=32, H=8, D=128, block 16, pages shuffled, 3 decode steps
+chained per jitted call. Reports µs per step, TB/s of the format's own bytes (data and
+scales) and tokens/s relative to the bf16 cache of the same layout, and first checks each
+variant's compiled output against ``kvjax.reference.unified_attention`` on a small poisoned
+problem (a variant that is wrong is reported as such and not timed). What the defaults of
+``decode_config.default_config`` are is decided from runs of this script.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvjax  # noqa: E402
+from benchmarks import bench_decode as BD  # noqa: E402
+from benchmarks import common  # noqa: E402
+from pallas_kernels.triton.decode_config import NUM_SMS, default_config  # noqa: E402
+
+FORMATS = ("bfloat16", "fp8", "int8_per_token_head", "fp8_per_token_head",
+           "int4_per_token_head", "nvfp4")
+
+#: name -> overrides of the format's default config. "bf16_ops" is the kernel's arithmetic
+#: before float16 operands (bfloat16 dots, element-by-element conversions, row scales
+#: assembled from four byte loads).
+VARIANTS = {
+    "default": {},
+    "bf16_ops": {"compute_dtype": "bfloat16", "fast_decode": False, "scale_words": False},
+    "f16_convert": {"fast_decode": False},
+    "byte_scales": {"scale_words": False},
+    "t128": {"tokens_per_step": 128},
+    "t128_w8": {"tokens_per_step": 128, "num_warps": 8},
+    "t256_w8": {"tokens_per_step": 256, "num_warps": 8},
+    "stages4": {"num_stages": 4},
+    "one_pass": {"single_pass_programs": 3 * NUM_SMS},
+    "t128_one_pass": {"tokens_per_step": 128, "single_pass_programs": 3 * NUM_SMS},
+    "t32": {"tokens_per_step": 32},
+    "w2": {"num_warps": 2},
+}
+
+
+def temp_bytes(batch, ctx, cd, layout, cfg):
+  """Temporary device bytes of the compiled decode step (a copy of the cache shows here)."""
+  from pallas_kernels.triton.decode import paged_decode_attention
+  spec, q, cache, sl, bt = BD.our_problem(batch, ctx, cd, layout)
+  ks = 1.0 if cd in ("fp8", "nvfp4") else None
+  f = jax.jit(lambda q, c, sl, bt: paged_decode_attention(
+      q, c, spec, seq_lens=sl, block_table=bt, scale=0.088, k_scale=ks, v_scale=ks,
+      config=cfg))
+  mem = f.lower(q, cache, sl, bt).compile().memory_analysis()
+  return None if mem is None else int(mem.temp_size_in_bytes)
+
+#: Variants whose numerics differ (operand dtype, decode path): each is checked against the
+#: reference before it is timed; the others only reorder the same arithmetic.
+CHECKED = ("default", "bf16_ops", "f16_convert", "byte_scales")
+
+
+def layouts(cd):
+  return ("HND",) if cd == "nvfp4" else ("NHD", "HND")
+
+
+def check(cd, layout, cfg, interpret):
+  """Relative error of the compiled kernel vs the reference (poisoned cache), or None."""
+  rng = np.random.default_rng(0)
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=128, block_size=16, cache_dtype=cd,
+                           layout=layout)
+  ks = 0.5 if cd in ("fp8", "nvfp4") else None
+  q, clean, poison, sl, bt = BD.check_problem(rng, spec, (1, 37, 300, 0, 64), 4, ks)
+  kw = dict(seq_lens=sl, block_table=bt, scale=128 ** -0.5, k_scale=ks, v_scale=ks)
+  from pallas_kernels.triton.decode import paged_decode_attention
+  ours = jax.jit(lambda q, c: paged_decode_attention(q, c, spec, interpret=interpret,
+                                                     config=cfg, **kw))(q, poison)
+  ref = BD.ref_attention(q, clean, spec, query_start_loc=jnp.arange(6, dtype=jnp.int32), **kw)
+  o, r = (np.asarray(x.astype(jnp.float32)) for x in (ours, ref))
+  if not np.isfinite(o).all():
+    return float("nan")
+  return float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--smoke", action="store_true", help="tiny CPU run (interpret mode)")
+  ap.add_argument("--shape", action="append", default=None, help="BATCHxCONTEXT (repeatable)")
+  ap.add_argument("--formats", default=",".join(FORMATS))
+  ap.add_argument("--variants", default=",".join(VARIANTS))
+  ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings "
+                  "after this many seconds")
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args()
+  t0 = time.time()
+  interpret = args.smoke or jax.default_backend() == "cpu"
+  shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["64x4096"])]
+  geo = {}
+  if args.smoke:
+    shapes, geo = [(2, 64)], dict(h=2, d=64, n=16)
+  formats = [f for f in args.formats.split(",") if f]
+  variants = [v for v in args.variants.split(",") if v]
+  info = {"device": common.device_name(), "date": common.now_utc(),
+          "versions": common.versions(), "command": common.command_line()}
+  print(json.dumps(info), flush=True)
+  rows, base = [], {}
+  for batch, ctx in shapes:
+    for cd in formats:
+      item = kvjax.KVCacheSpec(num_kv_heads=8, head_size=128, block_size=16, cache_dtype=cd,
+                               layout="HND").page_bytes / (16 * 8 * 2 * 128)
+      for layout in layouts(cd):
+        for name in (["default"] if cd == "bfloat16" else variants):
+          if time.time() - t0 > args.budget_s:
+            print(f"  budget spent: skipping {cd} {layout} {name}", flush=True)
+            continue
+          cfg = dataclasses.replace(default_config(1 if cd != "bfloat16" else 2),
+                                    **VARIANTS[name])
+          r = dict(cache_dtype=cd, layout=layout, variant=name, batch=batch, context=ctx,
+                   config=BD.cfg_name(cfg))
+          try:
+            if not args.smoke and (batch, ctx) == shapes[0] and name in CHECKED:
+              r["relerr"] = check(cd, layout, cfg, interpret)
+              if not r["relerr"] < 2e-2:
+                print(f"  {cd:20s} {layout} {name:14s} WRONG relerr {r['relerr']}", flush=True)
+                rows.append(r)
+                continue
+            if name == "default" and not args.smoke:      # a copy of the cache would show
+              r["temp_mb"] = round(temp_bytes(batch, ctx, cd, layout, cfg) / 2**20, 1)
+            ms = BD.time_ours(batch, ctx, cd, layout, cfg, interpret=interpret, **geo)
+          except Exception as e:  # noqa: BLE001 - a variant that fails is reported
+            r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"  {cd:20s} {layout} {name:14s} FAILED {r['error'][:200]}", flush=True)
+            rows.append(r)
+            continue
+          nbytes = BD.kv_bytes(batch, ctx, item, geo.get("h", BD.H), geo.get("d", BD.D))
+          tps = batch / (ms * 1e-3)
+          if cd == "bfloat16":
+            base[(batch, ctx, layout)] = tps
+          r.update(us=round(ms * 1e3, 1), tb_per_s=round(nbytes / (ms * 1e-3) / 1e12, 3),
+                   x_bf16=round(tps / base[(batch, ctx, layout)], 3)
+                   if (batch, ctx, layout) in base else None)
+          print(f"  {cd:20s} {layout} {batch:4d}x{ctx:<6d} {name:14s} {r['us']:8.1f} us "
+                f"{r['tb_per_s']:6.3f} TB/s x_bf16={r['x_bf16']} err={r.get('relerr', '-')}"
+                + (f" temp={r['temp_mb']} MB" if "temp_mb" in r else ""), flush=True)
+          rows.append(r)
+  out = args.json or (os.path.join(os.environ["OUT"], "sweep_decode.json")
+                      if os.environ.get("OUT") else None)
+  if out:
+    with open(out, "w") as f:
+      json.dump(dict(info, rows=rows), f, indent=1)
+  print("== best variant per format and layout (first shape)", flush=True)
+  for cd in formats:
+    for layout in layouts(cd):
+      timed = [r for r in rows if r["cache_dtype"] == cd and r["layout"] == layout
+               and "us" in r and (r["batch"], r["context"]) == shapes[0]]
+      if timed:
+        b = min(timed, key=lambda r: r["us"])
+        print(f"  {cd:20s} {layout} best {b['variant']:14s} {b['us']:8.1f} us "
+              f"x_bf16={b['x_bf16']}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
