@@ -124,7 +124,9 @@ def test_supports_attention_reasons():
   assert spec_reason(ok, bf) is None
   assert spec_reason(kvjax.KVCacheSpec(8, 128, 16, layout="HND", dtype=bf), bf) is None
   assert "head_size=80" in spec_reason(kvjax.KVCacheSpec(8, 80, 16, dtype=bf), bf)
-  assert "fp8" in spec_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8", dtype=bf), bf)
+  fp8 = kvjax.KVCacheSpec(8, 128, 16, "fp8", dtype=bf)
+  assert spec_reason(fp8, bf) is None                  # read through a plain copy of its pages
+  assert "q dtype float32" in spec_reason(fp8, jnp.float32)
   assert "float32" in spec_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=jnp.float32),
                                   jnp.float32)
   assert "differs" in spec_reason(ok, jnp.float16)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from kvjax import plain_copy as PC
@@ -112,7 +113,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       bq=bq, rows=cfg.rows, block_kv=cfg.block_kv, causal=bool(causal),
       window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
-      scale=static_or_none(scale), array_cols=bool(interpret))
+      scale=static_or_none(scale), array_cols=bool(interpret), scale_words=fmt.scale_words)
   return _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sinks, scale,
               st=st, cfg=cfg, promised=promised, interpret=bool(interpret))
 
@@ -139,7 +140,11 @@ def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sin
     ks = jnp.concatenate([ks, jnp.asarray(scale, jnp.float32).reshape(1)])
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
+  words = None
+  if st.scale_words:        # a bitcast view, no copy (the decode kernel's too)
+    r, c = cache2d.shape
+    words = jax.lax.bitcast_convert_type(cache2d.reshape(r, c // 4, 4), jnp.float32)
   out = ragged_kernel.ragged_attention_call(
       q.reshape(t * hq, d), cache2d, meta, ks, vs, sk, jnp.zeros((t * hq, d), q.dtype),
-      st=st, cfg=cfg, interpret=interpret)
+      st=st, cfg=cfg, interpret=interpret, words=words)
   return out.reshape(t, hq, d)

@@ -77,6 +77,7 @@ class KernelStatics:
   has_sinks: bool
   scale: Optional[float]     # softmax scale; None = traced, read from k_scale_h[H]
   array_cols: bool = False   # index columns with arrays (interpret mode: no mixed slice+array)
+  scale_words: bool = False  # row scales read from a float32 view of the rows (words_ref)
 
   @property
   def head_size(self) -> int:
@@ -144,8 +145,13 @@ def _store_rows(ref, rows, val, st: KernelStatics, row_mask):
   pltriton.store(ref.at[idx], val, mask=jnp.broadcast_to(mask, val.shape))
 
 
-def _row_scale(cache_ref, rows, col: int, row_mask):
-  """float32 per-token-head scale from the 4 storage bytes at ``col..col+3`` of each row."""
+def _row_scale(cache_ref, rows, col: int, row_mask, words_ref=None):
+  """float32 per-token-head scale from the 4 storage bytes at ``col..col+3`` of each row (or,
+  with ``words_ref``, the float32 view ``[R, C/4]`` of the rows: word ``col / 4``)."""
+  if words_ref is not None:
+    idx = words_ref.at[rows, col // 4]
+    return pltriton.load(idx) if row_mask is None else pltriton.load(idx, mask=row_mask,
+                                                                      other=0.0)
   if row_mask is None:
     return f32_from_bytes(lambda i: pltriton.load(cache_ref.at[rows, col + i]))
   return f32_from_bytes(
@@ -161,10 +167,12 @@ class _RowTiles:
   """K/V tiles as rows of the physical cache ``[R, C]`` (row formats: plain, fp8, int8 / fp8
   per token-head). K and V of a key are the two halves of one row, loaded back to back."""
 
-  def __init__(self, st: KernelStatics, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref):
+  def __init__(self, st: KernelStatics, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref,
+               words_ref=None):
     self.st, self.h, self.fmt = st, h, st.fmt
     self.q_ref, self.cache_ref, self.ks_ref, self.vs_ref, self.o_ref = (
         q_ref, cache_ref, ks_ref, vs_ref, o_ref)
+    self.words_ref = words_ref if st.scale_words else None
 
   def load_q(self, q_rows, row_ok):
     """(q ``[rows, head_pad]``, score scale in the exp2 domain)."""
@@ -191,7 +199,8 @@ class _RowTiles:
     rows, k, _ = tiles
     s = _dot(st, q, k, (1, 1)) * qk_scale   # [rows, bk] float32: scale * q.k * log2(e)
     if self.fmt.row_scaled:
-      s = s * _row_scale(self.cache_ref, rows, self.fmt.data_dim, in_seq)[None, :]
+      s = s * _row_scale(self.cache_ref, rows, self.fmt.data_dim, in_seq,
+                         self.words_ref)[None, :]
     return s
 
   def accumulate(self, q, acc, alpha, p, tiles, in_seq):
@@ -199,7 +208,8 @@ class _RowTiles:
     rows, _, v = tiles
     fmt = self.fmt
     if fmt.row_scaled:
-      p = p * _row_scale(self.cache_ref, rows, fmt.v_offset + fmt.data_dim, in_seq)[None, :]
+      p = p * _row_scale(self.cache_ref, rows, fmt.v_offset + fmt.data_dim, in_seq,
+                         self.words_ref)[None, :]
     return acc * alpha[:, None] + _dot(st, p.astype(fmt.compute_dtype), v, (1, 0))
 
   def store(self, acc, l, q_rows, row_ok):
@@ -215,8 +225,10 @@ class _PageTiles:
   (q read as two parts, values unpacked in registers, global k/v scales applied there), and
   the two output parts are stored interleaved back into ``[T*Hq, D]``."""
 
-  def __init__(self, st: KernelStatics, h, q_ref, pages_ref, ks_ref, vs_ref, o_ref):
+  def __init__(self, st: KernelStatics, h, q_ref, pages_ref, ks_ref, vs_ref, o_ref,
+               words_ref=None):
     self.st, self.fmt, self.h = st, st.fmt, h
+    self.words_ref = words_ref if st.scale_words else None
     self.q_ref, self.pages_ref, self.ks_ref, self.vs_ref, self.o_ref = (
         q_ref, pages_ref, ks_ref, vs_ref, o_ref)
 
@@ -243,7 +255,7 @@ class _PageTiles:
 
   def load_kv(self, blk, off, in_seq):
     valid = jnp.ones((self.st.block_kv,), jnp.bool_) if in_seq is None else in_seq
-    return self.fmt.load_kv(self.pages_ref, blk, off, self.h, valid)
+    return self.fmt.load_kv(self.pages_ref, blk, off, self.h, valid, self.words_ref)
 
   def scores(self, state, tiles, qk_scale, in_seq):
     q_parts, qsum, k_scale, _ = state
@@ -262,14 +274,15 @@ class _PageTiles:
                      mask=row_ok[:, None] & cmask[None, :])
 
 
-def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cache_ref, ks_ref,
-            vs_ref, sink_ref, _o_init_ref, o_ref, *, st: KernelStatics):
+def _kernel(tile_seq_ref, tile_q0_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, cache_ref,
+            words_ref, ks_ref, vs_ref, sink_ref, _o_init_ref, o_ref, *, st: KernelStatics):
   """One (KV head, query tile) program: :class:`_RowTiles` for formats read as rows
-  (``cache_ref`` holds rows), else :class:`_PageTiles` (``cache_ref`` holds pages)."""
+  (``cache_ref`` holds rows), else :class:`_PageTiles` (``cache_ref`` holds pages);
+  ``words_ref``: the same bytes as float32 words (``st.scale_words``; else a dummy)."""
   h = pl.program_id(0)
   tile = st.num_tiles - 1 - pl.program_id(1)      # last tiles (most keys) launch first
   tiles_cls = _RowTiles if st.fmt.row_table else _PageTiles
-  tiles_of = tiles_cls(st, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref)
+  tiles_of = tiles_cls(st, h, q_ref, cache_ref, ks_ref, vs_ref, o_ref, words_ref)
   g_count, bq, bk = st.group, st.bq, st.block_kv
   seq = tile_seq_ref[tile]
   q0 = tile_q0_ref[tile]
@@ -356,16 +369,18 @@ def _step_wrap(step, masked, j, carry):
 
 
 def ragged_attention_call(q2d, cache2d, meta, k_scale_h, v_scale_h, sinks, out_init, *,
-                          st: KernelStatics, cfg: TileConfig, interpret: bool):
+                          st: KernelStatics, cfg: TileConfig, interpret: bool, words=None):
   """Launch the kernel. ``meta`` = (tile_seq, tile_q0, query_start_loc, seq_lens, block_table_flat).
 
   q2d: ``[T*Hq, D]``; cache2d: the physical cache as rows ``[R, C]`` (``st.fmt.row_table``)
   or as pages ``[B, page_elems]``; k/v_scale_h: float32 ``[H]`` (fp8 / nvfp4 global scales;
   k with the softmax scale appended when it is traced); sinks: float32 ``[Hq]``; out_init: zeros ``[T*Hq, D]`` in q's dtype
-  (aliased to the output, so rows no tile covers -- padding -- stay 0). Returns ``[T*Hq, D]``.
+  (aliased to the output, so rows no tile covers -- padding -- stay 0); words: cache2d's
+  bytes as float32 words ``[R, C/4]`` when ``st.scale_words``. Returns ``[T*Hq, D]``.
   """
   kernel = functools.partial(_kernel, st=st)
-  args = (*meta, q2d, cache2d, k_scale_h, v_scale_h, sinks, out_init)
+  words = jnp.zeros((1, 1), jnp.float32) if words is None else words
+  args = (*meta, q2d, cache2d, words, k_scale_h, v_scale_h, sinks, out_init)
   params = None if interpret else pltriton.CompilerParams(num_warps=cfg.num_warps,
                                                           num_stages=cfg.num_stages)
   return pl.pallas_call(
