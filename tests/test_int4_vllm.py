@@ -166,8 +166,8 @@ def _rel(out, want):
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_attention_reads_the_original_kv(rng, impl):
   """Relative error against float64 attention over the original K/V stays at int4's noise
-  (~0.1); reading the same cache without the rotation (the stored frame, as a non-rotating
-  reader would) is off by ~1."""
+  (0.11-0.15 over seeds); reading the same cache without the rotation (the stored frame, as a
+  non-rotating reader would) is off by more than 10."""
   spec = kvjax.KVCacheSpec(2, 64, 16, "int4_per_token_head", "NHD", jnp.bfloat16)
   q, cache, meta, ks, vs, _ = _batch(rng, spec, (9, 1, 1), (20, 33, 0), hq=8)
   scale = 64 ** -0.5
@@ -177,9 +177,9 @@ def test_attention_reads_the_original_kv(rng, impl):
   out = attend(q, cache, spec, scale=jnp.float32(scale), **meta)    # traced scale, spec an arg
   assert out.dtype == q.dtype
   err = _rel(out, want)
-  assert err < 0.2, err
+  assert err < 0.25, err
   unrotated = kvjax.reference.unified_attention(q, cache, spec, scale=scale, **meta)
-  assert _rel(unrotated, want) > 0.6, "the bound must tell a read without rotation apart"
+  assert _rel(unrotated, want) > 1.0, "the bound must tell a read without rotation apart"
 
 
 def test_read_kv_returns_the_original_kv(rng):

@@ -60,7 +60,7 @@ CASES = [
          max_query_len=1),
     Case("fp8", "NHD", scales=(0.5, 2.0), batch=DECODE, max_query_len=1, window=25),
     Case("int8_per_token_head", "NHD", head_size=80, window=20, soft_cap=5.0),
-    Case("int4_per_token_head", "HND", batch=DECODE, max_query_len=1, sinks=True),
+    Case("int4_per_token_head", "HND", batch=DECODE, max_query_len=1, sinks=True, soft_cap=5.0),
     Case("nvfp4", "HND", group=2, scales=(0.5, 2.0), sinks=True),
     Case(TOY.name, "NHD", scales=(0.5, 2.0)),
     pytest.param(Case("auto", "HND", window=30), marks=SLOW),
