@@ -139,7 +139,7 @@ def int4_scale(lo, hi):
 
   ``/ 15`` is ``* f32(1/15)`` (:func:`div_const`), as XLA computes it under jit and as
   Triton's ``div.full.f32`` computes vLLM's ``(max - min) / 15.0`` on the GPU. ``max - min``
-  overflows for rows whose values pass +-1.7e38 (docs/edges.md).
+  overflows when the (rotated) row's extremes pass +-1.7e38 (docs/edges.md).
   """
   return jnp.maximum(div_const(hi - lo, 15.0), SCALE_EPS)
 

@@ -2,11 +2,11 @@
 
 Every K and V row is stored rotated by vLLM's randomized Hadamard transform
 (:data:`kvjax.rotation.HADAMARD`, applied by the public ops: the rotated row is rounded to the
-model dtype), then quantized: ``scale = max((max - min) / 15, 1e-6)``,
-``zp = clamp(round(-min / scale), 0, 15)``, ``q = clamp(round(x / scale + zp), 0, 15)``,
-rounding half away from zero; the 4-bit zero point sits in the low 4 mantissa bits of the
-stored scale. Read = (q - zp) * scale, in the rotated frame. Kernels keep even and odd head
-dims apart.
+model dtype), then quantized: ``scale = max((max - min) / 15, 1e-6)``, ``r = 1 / scale``,
+``zp = clamp(round(-min * r), 0, 15)``, ``q = clamp(round(x * r + zp), 0, 15)``, rounding
+half away from zero (:mod:`kvjax.quant`); the 4-bit zero point sits in the low 4 mantissa bits
+of the stored scale. Read = (q - zp) * scale, in the rotated frame. Kernels keep even and odd
+head dims apart.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from kvjax import quant
-from kvjax.rotation import HADAMARD, MAX_HEAD_SIZE
 from kvjax.codecs.per_token_head import PerTokenHeadCodec
+from kvjax.rotation import HADAMARD, MAX_HEAD_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
