@@ -94,7 +94,7 @@ CHECKS = (
     ("int8_per_token_head", "NHD", 2, 4, 128, 16, None, None, False, None, None),
     ("fp8_per_token_head", "HND", 2, 4, 128, 16, 33, None, True, None, None),
     ("int4_per_token_head", "NHD", 2, 4, 128, 16, None, None, False, None, None),
-    ("int4_per_token_head", "HND", 1, 7, 96, 32, None, 20.0, True, None, None),
+    ("int4_per_token_head", "HND", 1, 7, 32, 32, None, 20.0, True, None, None),
     ("nvfp4", "HND", 2, 4, 128, 16, None, None, False, 0.5, None),
     ("nvfp4", "HND", 2, 1, 64, 32, 30, None, True, None, None),
     # one split: normalized (and de-interleaved) in the kernel's epilogue

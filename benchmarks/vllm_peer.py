@@ -50,6 +50,15 @@ def _modules():
   return attn, writer, KVQuantMode
 
 
+@functools.lru_cache(maxsize=None)
+def _int4_module():
+  """vLLM's ``int4_per_token_head`` module (its rotation and int4 write kernel), or None."""
+  if _modules() is None:
+    return None
+  from vllm.v1.attention.ops import int4_per_token_head
+  return int4_per_token_head
+
+
 def available() -> bool:
   """True on a CUDA machine where vLLM's kernels import."""
   try:
@@ -146,3 +155,19 @@ def write(spec, cache_t, key, value, slot_mapping, *, k_scale=None, v_scale=None
                                                  device=key.device),
       one if v_scale is None else torch.as_tensor(v_scale, dtype=torch.float32,
                                                  device=key.device))
+
+
+def int4_rotate(x):
+  """vLLM's int4 pre-rotation of ``x [..., D]`` (torch CUDA, model dtype): its
+  ``single_rht(x.float()).to(x.dtype)``, as its writer (K/V) and attention (q) apply it."""
+  return _int4_module().single_rht(x.float()).to(x.dtype)
+
+
+def write_int4_rotated(spec, cache_t, key_rotated, value_rotated, slot_mapping):
+  """vLLM's int4 quantize-and-store kernel alone, on rows already rotated (no rotation here):
+  isolates vLLM's quantizer from its Hadamard transform."""
+  int4 = _int4_module()
+  k, v, ks, vs = _views(cache_t, spec)
+  int4._run_reshape_kernel(int4._reshape_cache_int4_kernel, key=key_rotated,
+                           value=value_rotated, key_cache=k, value_cache=v, k_scale_cache=ks,
+                           v_scale_cache=vs, slot_mapping=slot_mapping, packing_factor=2)

@@ -200,7 +200,8 @@ def main(argv=None):
   attend = jax.jit(lambda q, c, m, sc: kvjax.unified_attention(
       q, c, spec, scale=sm_scale, max_query_len=max_q, impl=args.impl, **m, **sc))
   a_first, a_ms, out = timed(lambda: attend(q, cache, meta, scales), args.repeats)
-  ref = kvjax.reference.unified_attention(q, cache, spec, scale=sm_scale, **meta, **scales)
+  ref = kvjax.unified_attention(q, cache, spec, scale=sm_scale, impl="reference", **meta,
+                              **scales)
   out32 = np.asarray(out.astype(jnp.float32))
   checked = out32
   if args.impl == "reference" or (args.impl == "auto" and backend == "cpu"):

@@ -42,6 +42,10 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
       kernel is not native). "auto" takes the Triton kernels on GPU and the reference on CPU;
       ``kvjax.explain("attention", spec)`` says which implementation runs and why.
   Returns ``[T, Hq, D]`` in q's dtype.
+
+  A format that stores rotated rows (int4 per token-head: ``spec.codec.rotation``) gets q
+  rotated and the softmax scale adjusted before the implementation runs, and its output
+  un-rotated after.
   """
   query_start_loc, seq_lens, block_table = check_attention_args(
       q, cache, spec, query_start_loc, seq_lens, block_table, sliding_window, soft_cap, sinks,
@@ -53,7 +57,9 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
                                 num_seqs=seq_lens.shape[0],
                                 max_blocks=block_table.shape[1], max_query_len=max_query_len)
   run = registry.ATTENTION.choose(impl, interpret, spec, q.dtype, call=call)
-  return run(q, cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
-             block_table=block_table, scale=scale, causal=causal, sliding_window=sliding_window,
-             soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-             max_query_len=max_query_len)
+  rot = spec.codec.rotation
+  out = run(rot.rotate(q), cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_table=block_table, scale=rot.softmax_scale(scale, spec.head_size),
+            causal=causal, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len)
+  return rot.unrotate(out)

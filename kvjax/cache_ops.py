@@ -22,7 +22,9 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
       "reference"); interpret: Pallas interpret mode (None: where the kernel is not native).
       ``kvjax.explain("write", spec)`` says which implementation runs and why.
   Pure: under ``jax.jit`` with the cache donated, the write happens in place.
-  Quantize-on-write for every cache dtype; blocks not named by a slot are untouched.
+  Quantize-on-write for every cache dtype; blocks not named by a slot are untouched. A format
+  that stores rotated rows (int4 per token-head: ``spec.codec.rotation``) gets key and value
+  rotated here, before any implementation encodes them.
   """
   num_blocks = V.check_cache(spec, cache)
   slot_mapping = V.check_slots(slot_mapping, num_blocks * spec.block_size)
@@ -30,7 +32,9 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
   run = registry.WRITE.choose(impl, interpret, spec)
-  return run(cache, key, value, slot_mapping, spec, k_scale=k_scale, v_scale=v_scale)
+  rot = spec.codec.rotation
+  return run(cache, rot.rotate(key), rot.rotate(value), slot_mapping, spec, k_scale=k_scale,
+             v_scale=v_scale)
 
 
 def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl: str = "auto",
@@ -41,7 +45,7 @@ def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl
   (ValueError); traced slots outside that range read as NaN rows.
   ``impl`` / ``interpret`` pick the dequantize step from ``kvjax.registry.READ`` (as
   :func:`write_kv` does): the pages of the slots are gathered, dequantized, and each slot's
-  row taken.
+  row taken (and un-rotated, for a format that stores rotated rows).
   """
   num_blocks = V.check_cache(spec, cache)
   num_slots = num_blocks * spec.block_size
@@ -55,5 +59,6 @@ def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl
   k, v = run(pages, spec, k_scale=k_scale, v_scale=v_scale)    # [T, N, H, D]
   t = jnp.arange(slots.shape[0])
   off = slots % spec.block_size
-  nan_rows = lambda x: jnp.where(valid[:, None, None], x[t, off], jnp.nan)
+  unrotate = spec.codec.rotation.unrotate
+  nan_rows = lambda x: jnp.where(valid[:, None, None], unrotate(x[t, off]), jnp.nan)
   return nan_rows(k), nan_rows(v)

@@ -7,8 +7,8 @@ the reference and the kernels call the *same* functions and store the same bits.
 Row functions work on any leading shape: ``x [..., D]`` is one (token, head) row per leading
 index. Divisions are written as multiplications by a float32 reciprocal (``x * (1/s)``,
 ``a * f32(1/15)``): that is the form XLA's algebraic simplifier turns ``x / s`` into under
-``jit``, so writing it out makes eager, jitted and kernel results the same bits. Only a true
-elementwise ``a / b`` (int4's zero point) stays a division (kernels emit an IEEE division).
+``jit``, so writing it out makes eager, jitted and kernel results the same bits. Reciprocals
+``1 / s`` are IEEE (kernels emit ``div.rn.f32``).
 """
 from __future__ import annotations
 
@@ -28,18 +28,11 @@ def div_const(x, c: float):
   return x * (np.float32(1.0) / np.float32(c))
 
 
-def round_half_even(v):
-  """``jnp.round`` (ties to even) of float32 ``v``, exact, from ``floor`` only (the Triton
-  lowering has no round)."""
-  f = jnp.floor(v)
-  d = v - f                                   # exact: v and floor(v) share the binade
-  odd = (f - 2.0 * jnp.floor(f * 0.5)) == 1.0
-  up = (d > 0.5) | ((d == 0.5) & odd)
-  return jnp.where(up, f + 1.0, f)
-
-
 def round_half_away_from_zero(v):
-  """``sign(v) * floor(|v| + 0.5)`` (the sign set by a select: Triton negates as 0 - x)."""
+  """``sign(v) * floor(|v| + 0.5)`` (the sign set by a select: Triton negates as 0 - x).
+
+  The same bits as vLLM's ``v + 0.5`` (``v - 0.5`` below 0) truncated by a float -> int
+  conversion: both round ``|v| + 0.5`` in float32 first (so 0.49999997 rounds to 1)."""
   r = jnp.floor(jnp.abs(v) + 0.5)
   return jnp.where(v < 0, -r, r)
 
@@ -144,10 +137,25 @@ def dequantize_per_token_head(data, scale, fmt):
 def int4_scale(lo, hi):
   """int4 row scale ``max((max - min) / 15, eps)`` from the row's min and max, float32.
 
-  Computed as ``max/15 - min/15`` so rows near the float32 limits (e.g. -3e38 and 3e38,
-  whose difference overflows) still get a finite scale.
+  ``/ 15`` is ``* f32(1/15)`` (:func:`div_const`), as XLA computes it under jit and as
+  Triton's ``div.full.f32`` computes vLLM's ``(max - min) / 15.0`` on the GPU. ``max - min``
+  overflows when the (rotated) row's extremes pass +-1.7e38 (docs/edges.md).
   """
-  return jnp.maximum(div_const(hi, 15.0) - div_const(lo, 15.0), SCALE_EPS)
+  return jnp.maximum(div_const(hi - lo, 15.0), SCALE_EPS)
+
+
+def int4_zero_point(lo, inv_scale):
+  """``clamp(round(-min * (1/scale)), 0, 15)`` rounded half away from zero, float32."""
+  return jnp.clip(round_half_away_from_zero(-lo * inv_scale), 0.0, 15.0)
+
+
+def int4_codes(x, inv_scale, zp):
+  """``clamp(round(x * (1/scale) + zp), 0, 15)`` rounded half away from zero, uint8.
+
+  ``x * (1/scale) + zp`` is meant as one fused multiply-add: XLA contracts it under jit and
+  Triton on the GPU (vLLM's writer and ours alike).
+  """
+  return jnp.clip(round_half_away_from_zero(x * inv_scale + zp), 0.0, 15.0).astype(jnp.uint8)
 
 
 def int4_pack_scale(scale, zp):
@@ -175,13 +183,20 @@ def interleave(even, odd):
   return jnp.stack([even, odd], axis=-1).reshape(even.shape[:-1] + (2 * even.shape[-1],))
 
 
+@jax.jit
 def quantize_int4(x):
-  """``x [..., D]`` float32 -> (packed uint8 ``[..., D/2]``, stored scale float32 ``[...]``)."""
+  """``x [..., D]`` float32 -> (packed uint8 ``[..., D/2]``, stored scale float32 ``[...]``).
+
+  vLLM's int4 quantizer: ``r = 1/scale`` (one IEEE reciprocal, where vLLM's GPU code divides
+  with ``div.full.f32``, i.e. multiplies by an approximate reciprocal), zero point and codes
+  from :func:`int4_zero_point` and :func:`int4_codes`. Jitted, so that eager calls contract
+  ``x * r + zp`` into an fma as jitted ones do (same bits either way).
+  """
   lo, hi = jnp.min(x, -1), jnp.max(x, -1)
   scale = int4_scale(lo, hi)
-  zp = jnp.clip(round_half_even(-lo / scale), 0, 15)
-  q = jnp.clip(round_half_even(x * (1.0 / scale)[..., None] + zp[..., None]), 0, 15)
-  q = q.astype(jnp.uint8)
+  r = 1.0 / scale
+  zp = int4_zero_point(lo, r)
+  q = int4_codes(x, r[..., None], zp[..., None])
   return q[..., 0::2] | (q[..., 1::2] << jnp.uint8(4)), int4_pack_scale(scale, zp)
 
 

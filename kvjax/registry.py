@@ -12,6 +12,9 @@ Ops and the signature every implementation of them takes:
 
 ``interpret`` is passed to implementations registered as ``interpretable`` (Pallas kernels)
 only. Arguments arrive validated by the public op: implementations do not re-check them.
+Implementations compute on values in the frame the cache stores them: for a format whose
+codec has a rotation (int4 per token-head), the public op rotates K/V and q and un-rotates
+outputs and reads around them (:mod:`kvjax.rotation`).
 
 An implementation declares where it runs compiled (``platforms``: "cpu", "gpu", "tpu") and,
 through its ``supports`` function, which calls it handles: ``supports(*args) -> None`` (yes)
@@ -265,4 +268,4 @@ ATTENTION.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:ragged_paged_attenti
                    interpretable=True)
 WRITE.register("reference", "kvjax.reference.cache_update:write_kv")
 ATTENTION.register("reference", "kvjax.reference.attention:unified_attention")
-READ.register("reference", "kvjax.views:dequantize_pages")
+READ.register("reference", "kvjax.views:dequantize_stored")

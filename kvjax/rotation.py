@@ -13,9 +13,17 @@ float32, and ``signs`` a fixed ±1 vector. The signs are vLLM's: the first D dra
 sequence is prefix-consistent (the signs of D are the first D signs of 2D), so one
 constant of 1024 sign bits serves every power-of-two head size up to 1024;
 ``tests/test_rotation.py`` re-derives it with torch when torch is installed.
+
+A cache format stores its values in the frame of a :class:`Rotation` of the head dim (its
+codec's ``rotation``): :data:`NO_ROTATION` for every format but int4 per token-head, which
+uses :data:`HADAMARD`. The public ops apply it once, around every registered implementation
+(``kvjax.write_kv`` rotates K and V; ``kvjax.unified_attention`` rotates q, divides the softmax
+scale by D and un-rotates the output; ``kvjax.read_kv`` and ``kvjax.dequantize_pages``
+un-rotate what they read), so kernels and references compute on the stored values only.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -80,3 +88,54 @@ def rht(x, inverse: bool = False):
   if inverse:
     return hadamard(x) * signs
   return hadamard(x * signs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+  """The identity (base class): the cache stores K and V as the model gives them.
+
+  A subclass is a linear map ``R`` of the head dim with ``R^T R = c * I``; it says how the
+  public ops move values into and out of the stored frame:
+
+  - :meth:`rotate`: K, V (before a write) and q (before attention) -> the stored frame;
+  - :meth:`softmax_scale`: the scale of ``q' . k'`` that gives the scale of ``q . k``;
+  - :meth:`unrotate`: attention outputs and read values -> the model's frame.
+  """
+
+  def rotate(self, x):
+    """``x [..., D]`` -> ``R x`` in ``x``'s dtype."""
+    return x
+
+  def unrotate(self, y):
+    """``y [..., D]`` -> ``R^-1 y`` in ``y``'s dtype."""
+    return y
+
+  def softmax_scale(self, scale, head_size: int):
+    """The softmax scale to use on rotated q and k (a Python float stays one)."""
+    del head_size
+    return scale
+
+
+@dataclasses.dataclass(frozen=True)
+class HadamardRotation(Rotation):
+  """vLLM's int4 rotation: ``rht`` in float32, rounded to the dtype it was given.
+
+  ``rotate(x) = dtype(H (x * signs))`` (the rotated row is rounded to the model dtype
+  before it is quantized, as vLLM does); since ``rht(x) . rht(y) = D x . y``, attention on
+  rotated q and k uses ``scale / D``, and ``unrotate(y) = dtype(H (y / D) * signs)`` (the
+  division by the power of two D is exact, so this is vLLM's ``H(y) * signs / D``).
+  """
+
+  def rotate(self, x):
+    return rht(x).astype(x.dtype)
+
+  def unrotate(self, y):
+    inv_d = np.float32(1.0 / y.shape[-1])
+    return rht(jnp.asarray(y, jnp.float32) * inv_d, inverse=True).astype(y.dtype)
+
+  def softmax_scale(self, scale, head_size: int):
+    return scale / head_size
+
+
+NO_ROTATION = Rotation()
+HADAMARD = HadamardRotation()

@@ -63,8 +63,16 @@ def nvfp4_logical_scales(scales, spec: KVCacheSpec, side: str):
   return _nvfp4_codec(spec).logical_scales(scales, spec, side)
 
 
-def dequantize_pages(pages, spec: KVCacheSpec, k_scale=None, v_scale=None):
-  """Dequantized (K, V), float32 ``[P..., N, H, D]``, of physical pages of any cache dtype.
+def dequantize_stored(pages, spec: KVCacheSpec, k_scale=None, v_scale=None):
+  """Dequantized stored (K, V), float32 ``[P..., N, H, D]``, of physical pages of any cache
+  dtype, in the frame the cache stores them (rotated for int4 per token-head).
 
   The reference implementation of the read op (``kvjax.registry.READ``)."""
   return spec.codec.dequantize(pages, spec, k_scale, v_scale)
+
+
+def dequantize_pages(pages, spec: KVCacheSpec, k_scale=None, v_scale=None):
+  """Dequantized (K, V), float32 ``[P..., N, H, D]``, of physical pages of any cache dtype:
+  :func:`dequantize_stored` un-rotated (``spec.codec.rotation``), the values as written."""
+  unrotate = spec.codec.rotation.unrotate
+  return tuple(unrotate(x) for x in dequantize_stored(pages, spec, k_scale, v_scale))

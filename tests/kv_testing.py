@@ -5,6 +5,7 @@ import numpy as np
 
 from kvjax import KVCacheSpec
 from kvjax import formats as F
+from kvjax import rotation
 from kvjax.reference import write_kv as reference_write_kv
 
 ALL_CACHE_DTYPES = tuple(F.CACHE_FORMATS)
@@ -74,8 +75,14 @@ def roundtrip_bound(spec: KVCacheSpec, x, k_scale=None):
     return ax * rel + tiny * s
   if fmt.kind == F.PER_TOKEN_HEAD:
     if fmt.quant == "int4":
-      scale = np.maximum((x.max(-1) - x.min(-1)) / 15, 1e-6)[..., None]
-      return scale * 1.0 + 1e-6
+      # quantized rotated (y = H(x * signs), rounded to the model dtype): half a step of y,
+      # plus y's rounding; un-rotating averages y's errors, so they bound x's
+      y = np.asarray(rotation.rht(x), np.float64)
+      eps = {2: 2.0 ** -8, 4: 2.0 ** -23}[np.dtype(spec.dtype).itemsize]
+      if np.dtype(spec.dtype) == np.dtype(np.float16):
+        eps = 2.0 ** -10
+      err = ((y.max(-1) - y.min(-1)) / 30 + np.abs(y).max(-1) * eps) * (1 + 1e-5) + 1e-6
+      return np.broadcast_to(err[..., None], x.shape)
     scale = np.maximum(ax.max(-1) / fmt.qmax, 1e-6)[..., None]
     if fmt.quant == np.dtype(np.int8):
       return scale * 0.5 + 1e-6

@@ -434,20 +434,42 @@ def test_duplicate_slots_last_token_wins_in_the_reference(rng, mode):
   np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
 
 
+def _int4_rows_at_the_rotation_limit(rng, shape):
+  """float32 rows whose magnitudes sum to 2**126, the largest int4 reads back finite (the
+  rotation sums D values, and max - min of the rotated row must stay finite)."""
+  x = rng.uniform(-1, 1, shape)
+  x[..., 0], x[..., 1] = 1.0, -1.0
+  return (x / np.abs(x).sum(-1, keepdims=True) * 2.0**126).astype(np.float32)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_int4_rows_near_the_float32_limit_read_back_finite(rng, impl, mode):
-  """Item 9: max - min of a finite row may overflow float32; the scale must not."""
+def test_int4_rows_at_the_rotation_limit_read_back_finite(rng, impl, mode):
+  """Item 9 (docs/edges.md): rows with sum |x| <= 2**126 read back finite, within int4's bound."""
   spec = _spec("int4_per_token_head", layout="HND", dtype=jnp.float32)
-  x = rng.uniform(-3e38, 3e38, (T, H, D)).astype(np.float32)
-  x[0, 0, :2] = [3.2e38, -3.2e38]
+  x = _int4_rows_at_the_rotation_limit(rng, (T, H, D))
   slots = _slots(4, 33)
   got = _write(mode, spec, impl, spec.allocate(B), jnp.asarray(x), jnp.asarray(x), slots)
-  step = x.max(-1, keepdims=True) / 15 - x.min(-1, keepdims=True) / 15   # no overflow
   for back in _jit_read(spec)(got, jnp.asarray(slots[:2]), None):
     back = np.asarray(back)
     assert np.isfinite(back).all()
-    assert (np.abs(back - x[:2]) <= step[:2]).all()
+    assert_roundtrip(spec, x[:2], back)
+
+
+def test_int4_clips_a_row_that_rotates_to_a_constant(rng):
+  """docs/edges.md: zp is clamped to [0, 15] (as in vLLM), so (5, 0, ..., 0), which rotates to
+  a constant row, reads back (1.5e-5, 0, ..., 0); its neighbours are unaffected."""
+  spec = _spec("int4_per_token_head", dtype=jnp.float32)
+  x = rng.standard_normal((T, H, D)).astype(np.float32)
+  x[0, 0] = 0.0
+  x[0, 0, 0] = 5.0
+  slots = _slots(4, 33)
+  cache = _write("jit", spec, "reference", spec.allocate(B), jnp.asarray(x), jnp.asarray(x), slots)
+  k = np.asarray(_jit_read(spec)(cache, jnp.asarray(slots[:2]), None)[0])
+  np.testing.assert_allclose(k[0, 0, 0], 1.5e-5, rtol=1e-5)
+  assert not k[0, 0, 1:].any()
+  assert_roundtrip(spec, x[:2, 1], k[:, 1])
+  assert_roundtrip(spec, x[1:2], k[1:2])
 
 
 # -- jit without static_argnums (item 10) ------------------------------------------------------

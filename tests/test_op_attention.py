@@ -60,7 +60,7 @@ CASES = [
          max_query_len=1),
     Case("fp8", "NHD", scales=(0.5, 2.0), batch=DECODE, max_query_len=1, window=25),
     Case("int8_per_token_head", "NHD", head_size=80, window=20, soft_cap=5.0),
-    Case("int4_per_token_head", "HND", batch=DECODE, max_query_len=1, sinks=True),
+    Case("int4_per_token_head", "HND", batch=DECODE, max_query_len=1, sinks=True, soft_cap=5.0),
     Case("nvfp4", "HND", group=2, scales=(0.5, 2.0), sinks=True),
     Case(TOY.name, "NHD", scales=(0.5, 2.0)),
     pytest.param(Case("auto", "HND", window=30), marks=SLOW),
@@ -73,7 +73,7 @@ CASES = [
     pytest.param(Case("fp8_e5m2", "HND", scales=((0.5, 0.25), (2.0, 1.0))), marks=SLOW),
     pytest.param(Case("fp8_per_token_head", "HND", group=7, batch=DECODE, max_query_len=1,
                       sinks=True), marks=SLOW),
-    pytest.param(Case("int4_per_token_head", "NHD", group=5, head_size=96, block_size=32,
+    pytest.param(Case("int4_per_token_head", "NHD", group=5, head_size=128, block_size=32,
                       max_query_len=32), marks=SLOW),
     pytest.param(Case("nvfp4", "HND", group=1, head_size=32, scales=(1.5, 0.75), batch=DECODE,
                       max_query_len=1), marks=SLOW),              # S = 2: V scales stored linearly
@@ -139,10 +139,9 @@ def test_attention_matches_float64_oracle(rng, impl, case, request):
     tol = _tolerance(case.q_dtype, spec) if np.dtype(case.q_dtype) != np.float32 else 2e-5
   else:
     want = np.asarray(jax.jit(functools.partial(
-        kvjax.reference.unified_attention, spec=spec, scale=scale, causal=case.causal,
-        sliding_window=case.window, soft_cap=case.soft_cap,
-        max_query_len=case.max_query_len))(q, cache, sinks=sinks, k_scale=ks, v_scale=vs,
-                                           **meta), np.float32)
+        kvjax.unified_attention, spec=spec, scale=scale, causal=case.causal,
+        sliding_window=case.window, soft_cap=case.soft_cap, max_query_len=case.max_query_len,
+        impl="reference"))(q, cache, sinks=sinks, k_scale=ks, v_scale=vs, **meta), np.float32)
     tol = _tolerance(case.q_dtype, spec)
   _assert_close(out, want, tol)
   real = int(meta["query_start_loc"][-1])

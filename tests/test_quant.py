@@ -49,25 +49,64 @@ def test_int8_matches_numpy(rng):
   assert np.all(np.abs(back - x) <= s_np[..., None] * 0.5 + np.abs(x) * 2.0**-22)
 
 
-def test_int4_matches_numpy(rng):
-  x = (rng.standard_normal((32, 2, 64)) * 3 + rng.standard_normal((32, 2, 1))).astype(np.float32)
-  packed, scale = quant.quantize_int4(jnp.asarray(x))
+def test_int4_worked_example():
+  """docs/layout.md §5: scale 15 * f32(1/15) = 1.0000001, zero point 8, ties away from zero."""
+  row = np.array([-8, 7, 0.5, 1.5, -0.5, 3.25, 0, 0], np.float32)
+  packed, stored = quant.quantize_int4(jnp.asarray(row))
+  p = np.asarray(packed)
+  np.testing.assert_array_equal(np.stack([p & 0xF, p >> 4], -1).ravel(),
+                                [0, 15, 9, 10, 8, 11, 8, 8])
+  assert int(np.asarray(stored).view(np.uint32)) == 0x3F800008    # 1.0000001, low bits = zp
+  np.testing.assert_array_equal(np.asarray(quant.dequantize_int4(packed, stored)),
+                                [-8, 7, 1, 2, 0, 3, 0, 0])
+
+
+def test_int8_rows_hold_rounding_ties(rng):
+  """docs/layout.md §5: x = amax/2 is exactly 63.5 in units of amax/127, and Gaussian bf16
+  rows hold about 3 such ties in 1000 elements (where a last-bit difference in 1/scale, e.g.
+  a GPU's approximate reciprocal, can move a code by one)."""
+  x = (rng.standard_normal((4000, 128)) * np.exp(rng.uniform(-1, 1, (4000, 1))))
+  x = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+  y = x * 127 / np.abs(x).max(-1, keepdims=True)                  # exact to ~1e-14
+  ties = np.abs(np.abs(y) % 1 - 0.5) < 1e-9
+  assert 0.002 < ties.mean() < 0.005, ties.mean()
+  half = np.abs(np.abs(x) * 2 - np.abs(x).max(-1, keepdims=True)) == 0
+  assert np.all(ties[half]) and half.any()
+
+
+def _int4_numpy(x):
+  """vLLM's int4 quantizer in numpy (docs/layout.md §5): ``x * r + zp`` as one fma (float64
+  holds the product exactly), ``+-0.5`` then truncation for rounding."""
+  half_away = lambda v: np.where(v >= 0, np.trunc(v + np.float32(0.5)),
+                                 np.trunc(v - np.float32(0.5))).astype(np.float32)
   lo, hi = x.min(-1), x.max(-1)
-  fifteenth = np.float32(1) / np.float32(15)
-  s = np.maximum(hi * fifteenth - lo * fifteenth, np.float32(1e-6))
-  zp = np.clip(np.round(-lo / s), 0, 15)
-  q = np.clip(np.round(x * (np.float32(1) / s)[..., None] + zp[..., None]), 0, 15)
-  q = q.astype(np.uint8)
+  s = np.maximum((hi - lo) * (np.float32(1) / np.float32(15)), np.float32(1e-6))
+  r = np.float32(1) / s
+  zp = np.clip(half_away(-lo * r), 0, 15)
+  y = (x.astype(np.float64) * r[..., None] + zp[..., None]).astype(np.float32)
+  return np.clip(half_away(y), 0, 15).astype(np.uint8), s, zp
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_int4_matches_numpy(rng, jitted):
+  import jax
+  x = ((rng.standard_normal((2000, 2, 64)) + 0.3 * rng.standard_normal((2000, 2, 1)))
+       * rng.uniform(0.01, 50, (2000, 2, 1))).astype(np.float32)
+  x[0, 0] = np.round(x[0, 0])                          # integer rows: ties everywhere
+  x[1, 1] = 2.5                                        # a constant row: scale 1e-6
+  f = jax.jit(quant.quantize_int4) if jitted else quant.quantize_int4
+  packed, scale = f(jnp.asarray(x))
+  q, s, zp = _int4_numpy(x)
   got = np.asarray(packed)
-  got_q = np.stack([got & 0xF, got >> 4], -1).reshape(q.shape)
-  # A compiler may contract x * (1/s) + zp into one fma, which can move a value sitting on a
-  # rounding boundary by one code (int4 is not among the bit-exact formats); nothing else.
-  assert np.abs(got_q.astype(int) - q).max() <= 1 and (got_q == q).mean() > 0.99
+  np.testing.assert_array_equal(np.stack([got & 0xF, got >> 4], -1).reshape(q.shape), q)
   bits = np.asarray(scale).view(np.uint32)
   np.testing.assert_array_equal(bits & 0xF, zp.astype(np.uint32))
-  masked = (bits & ~np.uint32(0xF)).view(np.float32)
-  np.testing.assert_array_equal(masked, (s.view(np.uint32) & ~np.uint32(0xF)).view(np.float32))
-  back = np.asarray(quant.dequantize_int4(packed, scale))
+  np.testing.assert_array_equal(bits >> 4, s.view(np.uint32) >> 4)
+  back = np.array(quant.dequantize_int4(packed, scale))
+  # zp is clamped to [0, 15]: a row that does not straddle 0 is clipped (docs/edges.md), the
+  # constant row reads back as 15 * 1e-6
+  np.testing.assert_allclose(back[1, 1], 15e-6, rtol=1e-5)   # the scale with its low bits 0
+  back[1, 1] = x[1, 1]
   assert np.all(np.abs(back - x) <= s[..., None] * 0.5 * 1.001 + 1e-5)
 
 
@@ -134,7 +173,8 @@ def test_v_swizzle_is_a_permutation_and_matches_formula():
     quant.nvfp4_v_swizzle_index(16, 2)
 
 
-@pytest.mark.parametrize("name", ["int8_per_token_head", "fp8_per_token_head", "nvfp4", "fp8"])
+@pytest.mark.parametrize("name", ["int8_per_token_head", "fp8_per_token_head", "nvfp4", "fp8",
+                                  "int4_per_token_head"])
 def test_eager_and_jit_store_the_same_bits(rng, name):
   """The written-out reciprocal forms leave XLA nothing to rewrite: eager == jit, bit for bit."""
   import jax
@@ -145,6 +185,8 @@ def test_eager_and_jit_store_the_same_bits(rng, name):
     f = lambda x: quant.quantize_nvfp4(x, jnp.float32(0.3))
   elif fmt.kind == F.FP8_PER_TENSOR:
     f = lambda x: (quant.quantize_fp8_per_tensor(x, jnp.float32(0.3), fmt.storage),)
+  elif fmt.quant == "int4":
+    f = quant.quantize_int4
   else:
     f = lambda x: quant.quantize_per_token_head(x, fmt)
   for a, b in zip(f(x), jax.jit(f)(x)):

@@ -51,8 +51,8 @@ def _metadata(slot_mapping, device):
 def _reference_attention(q, cache, spec, md, ks, vs, **opts):
   meta = {n: on_cpu(getattr(md, n).cpu().numpy())
           for n in ("query_start_loc", "seq_lens", "block_table")}
-  fn = jax.jit(lambda q, c: kvjax.reference.unified_attention(q, c, spec, k_scale=ks, v_scale=vs,
-                                                               **meta, **opts))
+  fn = jax.jit(lambda q, c: kvjax.unified_attention(q, c, spec, k_scale=ks, v_scale=vs, **meta,
+                                                     impl="reference", **opts))
   return np.asarray(fn(q, cache).astype(jnp.float32))
 
 
@@ -99,7 +99,8 @@ def test_update_and_forward_equal_reference(rng, device, cache_dtype, layout):
     warnings.simplefilter("always")
     key, value, slots = _write_all_used_blocks(rng, backend, cache, ts_k, ts_v)
   assert cache.data_ptr() == ptr and not _facade_warnings(caught)   # in place, never copied
-  want = jax.jit(lambda c, k, v, s: kvjax.reference.write_kv(c, k, v, s, spec, js_k, js_v))(
+  want = jax.jit(lambda c, k, v, s: kvjax.write_kv(c, k, v, s, spec, k_scale=js_k, v_scale=js_v,
+                                                   impl="reference"))(
       before, to_jnp(key), to_jnp(value), on_cpu(slots))
   _assert_cache_equals(cache, want, spec, device, slots)
 

@@ -104,9 +104,10 @@ def test_head256_block128_window(rng):
   _run(rng, "bfloat16", "NHD", h=1, g=4, d=256, n=128, window=100, lens=(129, 1, 250))
 
 
-def test_int4_gqa7_head96_sinks(rng):
-  # single pass: normalized and de-interleaved in the kernel's epilogue
-  _run(rng, "int4_per_token_head", "HND", h=1, g=7, d=96, n=32, sinks=True, lens=(1, 20),
+def test_int4_gqa7_head16_sinks(rng):
+  # single pass: normalized and de-interleaved in the kernel's epilogue; D/2 = 8 data bytes
+  # padded to the 16-wide tile
+  _run(rng, "int4_per_token_head", "HND", h=1, g=7, d=16, n=32, sinks=True, lens=(1, 20),
        config=DecodeConfig(num_splits=1))
 
 

@@ -4,7 +4,11 @@ A codec owns, for its format kind:
 
 - the format's facts: storage dtype, layouts it allows, which scales take part;
 - the geometry: row widths (data and padded), the logical shape, the checks on head size;
-- the reference (pure jnp) encode / scatter / dequantize that ``kvjax.reference`` runs;
+- the frame its values are stored in: ``rotation``, a :class:`kvjax.rotation.Rotation` of
+  the head dim (the identity but for int4 per token-head, which stores vLLM's
+  Hadamard-rotated rows); the public ops apply it around every implementation;
+- the reference (pure jnp) encode / scatter / dequantize that ``kvjax.reference`` runs, on
+  values in the stored frame;
 - the kernel-backend hooks: ``triton`` names the class of in-kernel tile loaders,
   dequantizers and encoders the Triton kernels call (``pallas_kernels.triton.formats``).
   A Mosaic TPU or Mosaic GPU backend that needs per-format code adds a ``mosaic_tpu`` /
@@ -26,6 +30,7 @@ import numpy as np
 
 from kvjax import quant
 from kvjax.codecs.address import RowAddress
+from kvjax.rotation import NO_ROTATION, Rotation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,9 @@ class Codec:
   content_halves: ClassVar[bool] = True
   #: ``"module:Class"`` of the Triton hooks; None = the Triton kernels cannot run it.
   triton: ClassVar[Optional[str]] = None
+  #: The head-dim rotation of the stored values (``kvjax.write_kv`` rotates K/V before any
+  #: implementation encodes them; attention and reads rotate q and un-rotate results).
+  rotation: ClassVar[Rotation] = NO_ROTATION
 
   # -- facts and geometry ------------------------------------------------------------------------
   @property

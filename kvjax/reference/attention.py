@@ -1,7 +1,9 @@
 """Reference unified (ragged prefill + decode) paged attention, pure jnp (docs/layout.md §6).
 
 The oracle for every attention kernel: simple, float32 at HIGHEST precision,
-one query token at a time over its sequence's dequantized pages.
+one query token at a time over its sequence's dequantized pages. Like every implementation it
+computes on the values as stored: for a rotated format (int4 per token-head) q arrives rotated
+and the output leaves rotated (``kvjax.unified_attention`` does both).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import jax.numpy as jnp
 from kvjax import ragged_batch as RB
 from kvjax.ragged_batch import token_positions  # noqa: F401  (pallas_kernels.mosaic_tpu's import)
 from kvjax.spec import KVCacheSpec
-from kvjax.views import dequantize_pages
+from kvjax.views import dequantize_stored
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -69,7 +71,7 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
   n = spec.block_size
   num_blocks = cache.shape[0]
   max_blocks = block_table.shape[1]
-  k_all, v_all = dequantize_pages(cache, spec, k_scale, v_scale)    # [B, N, H, D]
+  k_all, v_all = dequantize_stored(cache, spec, k_scale, v_scale)   # [B, N, H, D]
   qsl, seq_lens = RB.clamp_metadata(query_start_loc, seq_lens, num_tokens=t,
                                     capacity=max_blocks * n)
   seq, pos, real = RB.token_positions(qsl, seq_lens, t, max_query_len)

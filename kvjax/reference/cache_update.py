@@ -1,7 +1,9 @@
 """Reference cache write by slot mapping, pure jnp: the oracle of the write kernels.
 
 The format's codec encodes the rows and stores them (:mod:`kvjax.codecs`); this module
-splits slots into (block, offset) and drops the ones outside the cache.
+splits slots into (block, offset) and drops the ones outside the cache. Like every
+implementation it encodes key and value as given: for a rotated format (int4 per token-head)
+``kvjax.write_kv`` rotates them first.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The "pallas" implementation of the read op (``kvjax.registry.READ``, used by
 ``kvjax.read_kv``). Same values, bit for bit, as the reference
-(``kvjax.views.dequantize_pages``): both run the format's :mod:`kvjax.quant` formulas, the
+(``kvjax.views.dequantize_stored``): both run the format's :mod:`kvjax.quant` formulas, the
 kernel through the format's tile hooks (:mod:`pallas_kernels.triton.formats`).
 
 One program per (page, head) loads that head's N tokens of K and V, dequantizes them in
@@ -54,7 +54,7 @@ def dequantize_pages(pages, spec: KVCacheSpec, k_scale=None, v_scale=None, *, in
                      num_warps: int = 4):
   """Dequantized (K, V), float32 ``[P..., N, H, D]``, of physical pages ``[P..., *page]``.
 
-  Same values (bit for bit) as ``kvjax.views.dequantize_pages``. ``k_scale``/``v_scale``:
+  Same values (bit for bit) as ``kvjax.views.dequantize_stored``. ``k_scale``/``v_scale``:
   fp8 per-tensor scales (scalar or ``[H]``) or nvfp4 global scales (scalar). Arguments
   arrive validated by ``kvjax.read_kv``.
   """

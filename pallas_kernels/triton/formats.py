@@ -376,11 +376,11 @@ class Int4Format(RowFormat):
     lo = jnp.minimum(jnp.min(xe, axis=1), jnp.min(xo, axis=1))
     hi = jnp.maximum(jnp.max(xe, axis=1), jnp.max(xo, axis=1))
     scale = quant.int4_scale(lo, hi)
-    zp = jnp.clip(quant.round_half_even(div.div(-lo, scale)), 0.0, 15.0)
-    r = div.recip(scale)[:, None]
+    r = div.recip(scale)
+    zp = quant.int4_zero_point(lo, r)
 
-    def q(v):   # x * (1/scale) + zp: the compiler may contract it into an fma, as XLA's may
-      return jnp.clip(quant.round_half_even(v * r + zp[:, None]), 0.0, 15.0).astype(jnp.uint8)
+    def q(v):   # x * (1/scale) + zp: contracted into an fma, as XLA does under jit
+      return quant.int4_codes(v, r[:, None], zp[:, None])
 
     packed = q(xe) | (q(xo) << jnp.uint8(4))
     sbytes = f32_to_bytes(quant.int4_pack_scale(scale, zp))
