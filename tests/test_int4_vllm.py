@@ -99,6 +99,13 @@ WRITE_CASES = [("NHD", 64, jnp.bfloat16, "random"), ("HND", 128, jnp.float16, "r
 
 @pytest.mark.parametrize("layout,d,dtype,rows", WRITE_CASES)
 def test_stored_bytes_equal_vllms_int4_write(rng, layout, d, dtype, rows):
+  # On the CPU: XLA's GPU compile of the reference rounds differently in the last bit (the
+  # bytes on the GPU are measured against vLLM's own writer by check_vllm_interop.py).
+  with jax.default_device(jax.devices("cpu")[0]):
+    _check_stored_bytes(rng, layout, d, dtype, rows)
+
+
+def _check_stored_bytes(rng, layout, d, dtype, rows):
   spec = kvjax.KVCacheSpec(2, d, 16, "int4_per_token_head", layout, dtype)
   t = 24
   if rows == "integer":

@@ -49,16 +49,16 @@ def _gpu_reason() -> str | None:
 def spec_reason(spec: KVCacheSpec, q_dtype, group: int | None = None) -> str | None:
   """Why the kernel cannot take this spec / q dtype / GQA group (None: it can). Device-free.
 
-  The kernel reads plain 16-bit caches in q's dtype; quantized caches it reads through a
-  plain copy of the batch's pages in q's dtype (:mod:`kvjax.plain_copy`)."""
+  The kernel reads plain 16-bit caches in q's dtype; every other format (quantized, scaled)
+  it reads through a plain copy of the batch's pages in q's dtype (:mod:`kvjax.plain_copy`)."""
   if not isinstance(spec, KVCacheSpec):
     return f"spec must be a kvjax.KVCacheSpec, got {type(spec).__name__}"
   if np.dtype(q_dtype) not in SUPPORTED_Q_DTYPES:
     return f"q dtype {np.dtype(q_dtype)}: the kernel takes bfloat16/float16"
-  quantized = spec.codec.is_quantized
-  if not quantized and np.dtype(spec.storage_dtype) not in SUPPORTED_Q_DTYPES:
+  plain = PC.is_plain(spec)
+  if plain and np.dtype(spec.storage_dtype) not in SUPPORTED_Q_DTYPES:
     return f"cache storage {np.dtype(spec.storage_dtype)}: the kernel takes bfloat16/float16"
-  if not quantized and np.dtype(q_dtype) != np.dtype(spec.storage_dtype):
+  if plain and np.dtype(q_dtype) != np.dtype(spec.storage_dtype):
     return f"q dtype {np.dtype(q_dtype)} differs from the cache's {np.dtype(spec.storage_dtype)}"
   if spec.head_size not in SUPPORTED_HEAD_SIZES:
     return f"head_size={spec.head_size}: the kernel takes {SUPPORTED_HEAD_SIZES}"
@@ -102,7 +102,7 @@ def prefer_attention(spec, q_dtype, call) -> str | None:
   reason = spec_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
   if reason is not None:
     return reason
-  if spec.codec.is_quantized and not PC.worth_a_plain_copy(
+  if not PC.is_plain(spec) and not PC.worth_a_plain_copy(
       spec, q_dtype, call.num_tokens, call.num_seqs, call.max_blocks):
     return (f"cache_dtype={spec.cache_dtype!r}: too few query tokens for a plain copy of the "
             "pages to pay")
@@ -146,7 +146,7 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), for benchmark sweeps."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
-  if spec.codec.is_quantized:          # read through a plain copy in q's dtype
+  if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
                                               dtype=q.dtype)
   t, hq, d = q.shape
