@@ -63,25 +63,31 @@ class Implementation:
       every call).
     platforms: platforms it runs compiled on.
     interpretable: a Pallas kernel that also runs in interpret mode on any platform.
+    xla: made of plain XLA ops (jnp), not an opaque kernel call: a slice of its inputs
+      fuses into its ops instead of being copied (what lets it read an HND layered cache,
+      :mod:`kvjax.layers`).
   """
   name: str
   entry: Target
   supports: Optional[Target]
   platforms: Tuple[str, ...]
   interpretable: bool
+  xla: bool = False
 
   @property
   def fn(self) -> Callable:
     return _load(self.entry)
 
-  def reason(self, *args) -> Optional[str]:
-    """None when this implementation handles the call, else why not."""
+  def reason(self, *args, also=None) -> Optional[str]:
+    """None when this implementation handles the call, else why not. ``also``: a further
+    condition of the call, ``also(implementation) -> None | reason``."""
     try:
       _load(self.entry)
       check = None if self.supports is None else _load(self.supports)
     except ImportError as e:                                     # a backend this jax lacks
       return f"cannot import it: {e}"
-    return None if check is None else check(*args)
+    why = None if check is None else check(*args)
+    return why if why is not None or also is None else also(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +123,7 @@ class Registry:
     self._impls: List[Implementation] = []
 
   def register(self, name: str, entry: Target, *, supports: Optional[Target] = None,
-               platforms=PLATFORMS, interpretable: bool = False,
+               platforms=PLATFORMS, interpretable: bool = False, xla: bool = False,
                before: Optional[str] = None) -> Implementation:
     """Add an implementation (last, or just before the one named ``before``)."""
     bad = [p for p in platforms if p not in PLATFORMS]
@@ -125,7 +131,7 @@ class Registry:
       raise ValueError(f"platforms must be among {PLATFORMS}, got {bad}")
     if name in self.names() or name == "auto":
       raise ValueError(f"{self.op}: implementation {name!r} is already registered")
-    impl = Implementation(name, entry, supports, tuple(platforms), interpretable)
+    impl = Implementation(name, entry, supports, tuple(platforms), interpretable, xla)
     pos = len(self._impls) if before is None else self.names().index(self.get(before).name)
     self._impls.insert(pos, impl)
     return impl
@@ -151,17 +157,20 @@ class Registry:
     if impl != "auto":
       self.get(impl)
 
-  def choose(self, impl: str, interpret, *args, on: Optional[str] = None) -> Choice:
+  def choose(self, impl: str, interpret, *args, on: Optional[str] = None,
+             also=None) -> Choice:
     """Resolve ``impl`` ("auto" or a name) for a call whose supports-arguments are ``args``.
 
-    ``on``: the platform to decide for (default: the default backend's).
+    ``on``: the platform to decide for (default: the default backend's). ``also``: a further
+    condition of this call on the implementation (``also(impl) -> None | reason``, e.g.
+    :func:`kvjax.layers.attention_condition`).
     Raises ValueError when a named implementation cannot run the call.
     """
     self.check(impl)
     on = platform() if on is None else on
     if impl != "auto":
       chosen = self.get(impl)
-      why = chosen.reason(*args)
+      why = chosen.reason(*args, also=also)
       native = on in chosen.platforms
       if why is None and not native and not chosen.interpretable:
         why = f"it runs on {'/'.join(chosen.platforms)}, not {on}"
@@ -174,7 +183,7 @@ class Registry:
       if on not in cand.platforms:
         skipped.append((cand.name, f"runs compiled on {'/'.join(cand.platforms)}, not {on}"))
         continue
-      why = cand.reason(*args)
+      why = cand.reason(*args, also=also)
       if why is not None:
         skipped.append((cand.name, why))
         continue
@@ -190,11 +199,12 @@ REGISTRIES = {"write": WRITE, "attention": ATTENTION, "read": READ}
 
 
 def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
-            platform: Optional[str] = None) -> Choice:
+            platform: Optional[str] = None, layered: bool = False) -> Choice:
   """Which implementation runs ``op`` ("write", "attention" or "read") for ``spec``, and why.
 
   ``q_dtype``: the query dtype (attention; default the spec's model dtype). ``platform``:
-  decide for "cpu", "gpu" or "tpu" instead of the default backend. The returned
+  decide for "cpu", "gpu" or "tpu" instead of the default backend. ``layered``: for a
+  layered (cross-layer) cache with ``layer=`` (:mod:`kvjax.layers`). The returned
   :class:`Choice` prints as a short report::
 
     >>> print(kvjax.explain("attention", spec, platform="gpu"))
@@ -203,7 +213,11 @@ def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
   if op not in REGISTRIES:
     raise ValueError(f"op={op!r} must be one of {sorted(REGISTRIES)}")
   args = (spec, spec.dtype if q_dtype is None else q_dtype) if op == "attention" else (spec,)
-  return REGISTRIES[op].choose(impl, interpret, *args, on=platform)
+  also = None
+  if layered and op == "attention":
+    from kvjax.layers import attention_condition
+    also = attention_condition(spec)
+  return REGISTRIES[op].choose(impl, interpret, *args, on=platform, also=also)
 
 
 # -- Built-in implementations: one line per (op, implementation), in the order auto tries them.
@@ -228,6 +242,6 @@ WRITE.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:write_kv",
 ATTENTION.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:ragged_paged_attention",
                    supports="pallas_kernels.mosaic_tpu:supports_attention", platforms=("tpu",),
                    interpretable=True)
-WRITE.register("reference", "kvjax.reference.cache_update:write_kv")
-ATTENTION.register("reference", "kvjax.reference.attention:unified_attention")
-READ.register("reference", "kvjax.views:dequantize_pages")
+WRITE.register("reference", "kvjax.reference.cache_update:write_kv", xla=True)
+ATTENTION.register("reference", "kvjax.reference.attention:unified_attention", xla=True)
+READ.register("reference", "kvjax.views:dequantize_pages", xla=True)
