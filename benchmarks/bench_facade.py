@@ -17,6 +17,13 @@ Per layer, medians over repeats:
 proxy of the facade's host cost: on the CPU the facade waits for each result to copy it into
 ``output``, so there the direct call waits for each result too, and facade minus direct is
 the host work the facade adds).
+
+``--host`` measures the facade's own host work per call, CPU tensors, the host-bound regime's
+shapes: ``forward`` and ``do_kv_cache_update`` with kvjax's jitted functions replaced by stubs
+that return their (precomputed) result at once, so what remains is the facade: checks, imports,
+metadata, the copy into ``output`` (and, on CPU, of the written pages back into the cache).
+It imports ``torch_bridge`` from ``PYTHONPATH`` first, so one copy of this script measures
+another checkout (``PYTHONPATH=/other/checkout python3 benchmarks/bench_facade.py --host``).
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+sys.path.insert(len(sys.path) if os.environ.get("PYTHONPATH") else 0,
+                os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -50,18 +58,25 @@ def _sync(dev):
 
 
 class Step:
-  """One regime's decode step: L caches (torch), per-layer q / output, shared metadata."""
+  """One regime's decode step: L caches (torch), per-layer q / output, shared metadata.
 
-  def __init__(self, dev, seqs, ctx, layers, hq, h, d, rng):
+  ``layered``: one layered (cross-layer) cache tensor for all L layers instead, each call
+  passing it whole with ``layer=i`` (``self.layer_ids``; None per layer otherwise)."""
+
+  def __init__(self, dev, seqs, ctx, layers, hq, h, d, rng, layered=False):
     self.dev, self.layers = dev, layers
     self.backend = tb.PagedAttentionBackend(hq, h, d, N, "auto", "NHD", dtype=torch.bfloat16)
     blocks = -(-ctx // N)
     num_blocks = seqs * blocks + 1
     self.caches = []
-    for _ in range(layers):
-      c = self.backend.allocate_kv_cache(num_blocks, device=dev)
+    for _ in range(1 if layered else layers):
+      c = self.backend.allocate_kv_cache(num_blocks, device=dev,
+                                         num_layers=layers if layered else None)
       L.physical_tensor(c, self.backend.spec).normal_()
       self.caches.append(c)
+    if layered:
+      self.caches = self.caches * layers
+    self.layer_ids = list(range(layers)) if layered else [None] * layers
     table = rng.permutation(num_blocks)[:seqs * blocks].reshape(seqs, blocks).astype(np.int32)
     as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)
     self.md = tb.PagedAttentionMetadata(
@@ -73,8 +88,8 @@ class Step:
 
   def facade(self):
     fwd, md = self.backend.forward, self.md
-    for q, c, o in zip(self.qs, self.caches, self.outs):
-      fwd(q, c, md, o)
+    for q, c, o, i in zip(self.qs, self.caches, self.outs, self.layer_ids):
+      fwd(q, c, md, o, layer=i)
     return None
 
   def direct_fn(self):
@@ -88,16 +103,18 @@ class Step:
     qsl, sl, bt = md.jax_arrays(cx, t)
     qj = [jax.numpy.array(cx.fresh(q)) for q in self.qs]
     cj = [tb.from_torch(c, be.spec) for c in self.caches]
+    ids = [None if i is None else jax.device_put(jax.numpy.int32(i), cx.jax_device)
+           for i in self.layer_ids]
     donate = self.dev.type == "cuda"       # the facade's default output_mode on CUDA
     outs = [jax.numpy.zeros_like(q) for q in qj]
 
     def run():
       r = None
-      for i, (q, c) in enumerate(zip(qj, cj)):
+      for i, (q, c, li) in enumerate(zip(qj, cj, ids)):
         if donate:
-          outs[i] = r = fn(q, c, qsl, sl, bt, None, None, None, outs[i])
+          outs[i] = r = fn(q, c, qsl, sl, bt, None, None, None, li, outs[i])
         else:            # CPU: the facade waits for each result (it copies it into output)
-          r = fn(q, c, qsl, sl, bt, None, None, None).block_until_ready()
+          r = fn(q, c, qsl, sl, bt, None, None, None, li).block_until_ready()
       return r
     return run
 
@@ -135,7 +152,8 @@ def per_layer_us(run, wait, layers, reps):
 
 
 def bench_regime(name, seqs, ctx, cfg, dev, rng):
-  step = Step(dev, seqs, ctx, cfg["layers"], cfg["hq"], cfg["h"], cfg["d"], rng)
+  step = Step(dev, seqs, ctx, cfg["layers"], cfg["hq"], cfg["h"], cfg["d"], rng,
+              cfg.get("layered", False))
   torch_wait = lambda r: _sync(dev)
 
   def jax_wait(r):
@@ -143,14 +161,15 @@ def bench_regime(name, seqs, ctx, cfg, dev, rng):
     if r is not None:
       jax.block_until_ready(r)
 
-  row = {"regime": name, "seqs": seqs, "ctx": ctx, "layers": step.layers,
+  row = {"regime": name + (", layered" if cfg.get("layered") else ""), "seqs": seqs, "ctx": ctx,
+         "layers": step.layers,
          "kv_gb": round(step.kv_gb, 3)}
   direct = step.direct_fn()
   row["direct_us"], row["direct_host_us"] = per_layer_us(direct, jax_wait, step.layers,
                                                          cfg["reps"])
   row["facade_us"], row["facade_host_us"] = per_layer_us(step.facade, torch_wait, step.layers,
                                                          cfg["reps"])
-  vllm = step.vllm_fn()
+  vllm = None if cfg.get("layered") else step.vllm_fn()
   row["vllm_us"] = None
   if vllm is not None:
     row["vllm_us"], _ = per_layer_us(vllm, torch_wait, step.layers, cfg["reps"])
@@ -173,15 +192,85 @@ def table(rows):
   return "\n".join(lines)
 
 
+def _stub(factory):
+  """``factory`` (jitted.attention_fn / write_fn) whose functions return the result of their
+  first call, computed once by the real function, at once."""
+  def make(*args, **kwargs):
+    real, memo = factory(*args, **kwargs), []
+
+    def fn(*call_args):
+      if not memo:
+        memo.append(jax.block_until_ready(real(*call_args)))
+      return memo[0]
+    return fn
+  return make
+
+
+def host_cost(cfg, rng, reps):
+  """Median host µs per facade call (forward, do_kv_cache_update) with stubbed jitted
+  functions, CPU tensors, the host-bound regime's shapes, each layer its own cache."""
+  from torch_bridge import jitted
+  _, seqs, ctx = cfg["regimes"][0]
+  dev = torch.device("cpu")
+  real = jitted.attention_fn, jitted.write_fn
+  jitted.attention_fn, jitted.write_fn = _stub(real[0]), _stub(real[1])
+  try:
+    step = Step(dev, seqs, ctx, cfg["layers"], cfg["hq"], cfg["h"], cfg["d"], rng,
+                cfg.get("layered", False))
+    be, md = step.backend, step.md
+    keys = [torch.randn(seqs, cfg["h"], cfg["d"], dtype=torch.bfloat16) for _ in step.caches]
+    slots = md.slot_mapping
+
+    lid = step.layer_ids if cfg.get("layered") else None
+
+    def forward():
+      for q, c, o, i in zip(step.qs, step.caches, step.outs, step.layer_ids):
+        be.forward(q, c, md, o, **({} if lid is None else {"layer": i}))
+
+    def update():
+      for k, c, i in zip(keys, step.caches, step.layer_ids):
+        be.do_kv_cache_update(k, k, c, slots, **({} if lid is None else {"layer": i}))
+
+    row = {"regime": f"{seqs} seqs x {ctx}", "layers": step.layers}
+    for name, run in (("forward", forward), ("update", update)):
+      run()
+      times = []
+      for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) / step.layers * 1e6)
+      row[f"{name}_host_us"] = statistics.median(times)
+      row[f"{name}_host_min_us"] = min(times)
+    return row
+  finally:
+    jitted.attention_fn, jitted.write_fn = real
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (< 60 s)")
   ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
   ap.add_argument("--layers", type=int, default=None)
+  ap.add_argument("--layered", action="store_true",
+                  help="one layered (cross-layer) cache for all layers, passed with layer=i")
+  ap.add_argument("--host", action="store_true",
+                  help="the facade's own host work per call (CPU tensors, stubbed JAX calls)")
   args = ap.parse_args()
   cfg = dict(SMOKE if args.smoke else FULL)
   if args.layers:
     cfg["layers"] = args.layers
+  cfg["layered"] = args.layered
+  if args.host:
+    row = host_cost(cfg, np.random.default_rng(0), cfg["reps"] * 20)
+    print(f"jax {jax.__version__}, torch {torch.__version__}, torch_bridge from "
+          f"{os.path.dirname(tb.__file__)}")
+    print(row)
+    print("| per call (µs, CPU host) | forward median | forward min | update median | "
+          "update min |\n|---|---|---|---|---|")
+    print(f"| {row['regime']}, {row['layers']} layers | {row['forward_host_us']:.1f} | "
+          f"{row['forward_host_min_us']:.1f} | {row['update_host_us']:.1f} | "
+          f"{row['update_host_min_us']:.1f} |")
+    return
   dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
   t0 = time.time()
   print(f"jax {jax.__version__}, torch {torch.__version__}, "

@@ -90,6 +90,9 @@ class Implementation:
     interpretable: a Pallas kernel that also runs in interpret mode on any platform.
     prefer: ``prefer(*args, call) -> None | reason``: where ``auto`` takes it (None = every
       supported call).
+    xla: made of plain XLA ops (jnp), not an opaque kernel call: a slice of its inputs
+      fuses into its ops instead of being copied (what lets it read an HND layered cache,
+      :mod:`kvjax.layers`).
   """
   name: str
   entry: Target
@@ -97,19 +100,22 @@ class Implementation:
   platforms: Tuple[str, ...]
   interpretable: bool
   prefer: Optional[Target] = None
+  xla: bool = False
 
   @property
   def fn(self) -> Callable:
     return _load(self.entry)
 
-  def reason(self, *args) -> Optional[str]:
-    """None when this implementation handles the call, else why not."""
+  def reason(self, *args, also=None) -> Optional[str]:
+    """None when this implementation handles the call, else why not. ``also``: a further
+    condition of the call, ``also(implementation) -> None | reason``."""
     try:
       _load(self.entry)
       check = None if self.supports is None else _load(self.supports)
     except ImportError as e:                                     # a backend this jax lacks
       return f"cannot import it: {e}"
-    return None if check is None else check(*args)
+    why = None if check is None else check(*args)
+    return why if why is not None or also is None else also(self)
 
   def not_preferred(self, *args, call=None) -> Optional[str]:
     """None when ``auto`` should take this implementation for the call, else why not."""
@@ -149,7 +155,7 @@ class Registry:
     self._impls: List[Implementation] = []
 
   def register(self, name: str, entry: Target, *, supports: Optional[Target] = None,
-               platforms=PLATFORMS, interpretable: bool = False,
+               platforms=PLATFORMS, interpretable: bool = False, xla: bool = False,
                before: Optional[str] = None, prefer: Optional[Target] = None) -> Implementation:
     """Add an implementation (last, or just before the one named ``before``); ``prefer``:
     its auto rule (module docstring)."""
@@ -158,7 +164,7 @@ class Registry:
       raise ValueError(f"platforms must be among {PLATFORMS}, got {bad}")
     if name in self.names() or name == "auto":
       raise ValueError(f"{self.op}: implementation {name!r} is already registered")
-    impl = Implementation(name, entry, supports, tuple(platforms), interpretable, prefer)
+    impl = Implementation(name, entry, supports, tuple(platforms), interpretable, prefer, xla)
     pos = len(self._impls) if before is None else self.names().index(self.get(before).name)
     self._impls.insert(pos, impl)
     return impl
@@ -184,18 +190,21 @@ class Registry:
     if impl != "auto":
       self.get(impl)
 
-  def choose(self, impl: str, interpret, *args, on: Optional[str] = None, call=None) -> Choice:
+  def choose(self, impl: str, interpret, *args, on: Optional[str] = None, call=None,
+             also=None) -> Choice:
     """Resolve ``impl`` ("auto" or a name) for a call whose supports-arguments are ``args``.
 
     ``on``: the platform to decide for (default: the default backend's). ``call``: the
     call's static facts for the ``prefer`` rules (:class:`AttentionCall`; None: unknown).
+    ``also``: a further condition of this call on the implementation (``also(impl) -> None |
+    reason``, e.g. :func:`kvjax.layers.attention_condition`).
     Raises ValueError when a named implementation cannot run the call.
     """
     self.check(impl)
     on = platform() if on is None else on
     if impl != "auto":
       chosen = self.get(impl)
-      why = chosen.reason(*args)
+      why = chosen.reason(*args, also=also)
       native = on in chosen.platforms
       if why is None and not native and not chosen.interpretable:
         why = f"it runs on {'/'.join(chosen.platforms)}, not {on}"
@@ -208,7 +217,7 @@ class Registry:
       if on not in cand.platforms:
         skipped.append((cand.name, f"runs compiled on {'/'.join(cand.platforms)}, not {on}"))
         continue
-      why = cand.reason(*args)
+      why = cand.reason(*args, also=also)
       if why is None:
         why = cand.not_preferred(*args, call=call)
       if why is not None:
@@ -226,12 +235,14 @@ REGISTRIES = {"write": WRITE, "attention": ATTENTION, "read": READ}
 
 
 def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
-            platform: Optional[str] = None, call: Optional[AttentionCall] = None) -> Choice:
+            platform: Optional[str] = None, call: Optional[AttentionCall] = None,
+            layered: bool = False) -> Choice:
   """Which implementation runs ``op`` ("write", "attention" or "read") for ``spec``, and why.
 
   ``q_dtype``: the query dtype (attention; default the spec's model dtype). ``platform``:
   decide for "cpu", "gpu" or "tpu" instead of the default backend. ``call``: the shapes of an
-  attention call (:class:`AttentionCall`), for the rules that depend on them. The returned
+  attention call (:class:`AttentionCall`), for the rules that depend on them. ``layered``:
+  for a layered (cross-layer) cache with ``layer=`` (:mod:`kvjax.layers`). The returned
   :class:`Choice` prints as a short report::
 
     >>> print(kvjax.explain("attention", spec, platform="gpu"))
@@ -240,7 +251,11 @@ def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
   if op not in REGISTRIES:
     raise ValueError(f"op={op!r} must be one of {sorted(REGISTRIES)}")
   args = (spec, spec.dtype if q_dtype is None else q_dtype) if op == "attention" else (spec,)
-  return REGISTRIES[op].choose(impl, interpret, *args, on=platform, call=call)
+  also = None
+  if layered and op == "attention":
+    from kvjax.layers import attention_condition
+    also = attention_condition(spec)
+  return REGISTRIES[op].choose(impl, interpret, *args, on=platform, call=call, also=also)
 
 
 # -- Built-in implementations: one line per (op, implementation), in the order auto tries them.
@@ -266,6 +281,6 @@ WRITE.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:write_kv",
 ATTENTION.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:ragged_paged_attention",
                    supports="pallas_kernels.mosaic_tpu:supports_attention", platforms=("tpu",),
                    interpretable=True)
-WRITE.register("reference", "kvjax.reference.cache_update:write_kv")
-ATTENTION.register("reference", "kvjax.reference.attention:unified_attention")
-READ.register("reference", "kvjax.views:dequantize_stored")
+WRITE.register("reference", "kvjax.reference.cache_update:write_kv", xla=True)
+ATTENTION.register("reference", "kvjax.reference.attention:unified_attention", xla=True)
+READ.register("reference", "kvjax.views:dequantize_stored", xla=True)

@@ -254,20 +254,42 @@ class KVCacheSpec:
       return make()
     return jax.jit(make, out_shardings=sharding)()
 
-  def num_blocks_of(self, cache) -> int:
-    """Validate that ``cache`` is this spec's physical array (one layer) and return B."""
+  @property
+  def layer_axis(self) -> int:
+    """Physical position of the layer dim of a layered array: 1 (NHD), 2 (HND)."""
+    return self.stride_order(True).index(0)
+
+  def blocks_and_layers(self, cache) -> Tuple[int, Optional[int]]:
+    """Validate that ``cache`` is this spec's physical array, one layer's (4-D) or layered
+    (5-D, :meth:`physical_shape` with ``num_layers``), and return (B, L); L is None for one
+    layer."""
     shape = getattr(cache, "shape", None)
     dtype = getattr(cache, "dtype", None)
-    if shape is None or len(shape) != 4:
-      raise ValueError(f"cache must be a 4-D physical cache array, got shape {shape}")
+    if shape is None or len(shape) not in (4, 5):
+      raise ValueError(f"cache must be a 4-D physical cache array (one layer) or a 5-D layered "
+                       f"one (all layers), got shape {shape}")
     if np.dtype(dtype) != self.storage_dtype:
       raise TypeError(f"cache dtype {np.dtype(dtype)} is not the spec's storage dtype "
                       f"{self.storage_dtype} (cache_dtype={self.cache_dtype!r})")
-    expected = self.physical_shape(shape[0])
+    layers = shape[self.layer_axis] if len(shape) == 5 else None
+    if layers is not None and self.codec.no_layered_reason:
+      raise ValueError(f"cache_dtype={self.cache_dtype!r} has no layered (cross-layer) form: "
+                       f"{self.codec.no_layered_reason}; use one 4-D cache per layer")
+    expected = self.physical_shape(shape[0], layers)
     if tuple(shape) != expected:
-      raise ValueError(f"cache shape {tuple(shape)} is not the spec's physical shape {expected} "
-                       f"(layout={self.layout}, cache_dtype={self.cache_dtype!r})")
-    return shape[0]
+      what = "" if layers is None else f" of {layers} layers"
+      raise ValueError(f"cache shape {tuple(shape)} is not the spec's physical shape {expected}"
+                       f"{what} (layout={self.layout}, cache_dtype={self.cache_dtype!r})")
+    return shape[0], layers
+
+  def num_blocks_of(self, cache) -> int:
+    """Validate that ``cache`` is this spec's physical array (one layer) and return B."""
+    num_blocks, layers = self.blocks_and_layers(cache)
+    if layers is not None:
+      raise ValueError(f"cache of shape {tuple(cache.shape)} is a layered (cross-layer) array of "
+                       f"{layers} layers, where one layer's 4-D cache is expected: pass the whole "
+                       "array with layer= to write_kv / read_kv / unified_attention")
+    return num_blocks
 
 
 @jax.tree_util.register_static

@@ -101,15 +101,56 @@ def as_jax_int32(x):
   return jnp.asarray(saturate_int32(x)) if isinstance(x, np.ndarray) else x
 
 
-def check_cache(spec: KVCacheSpec, cache) -> int:
-  """``spec`` a KVCacheSpec and ``cache`` its physical ``jax.Array``; returns num_blocks."""
+def check_cache(spec: KVCacheSpec, cache, layer=None) -> int:
+  """``spec`` a KVCacheSpec and ``cache`` its physical ``jax.Array``; returns num_blocks.
+
+  ``cache`` is one layer's 4-D array with ``layer`` None, or a layered (cross-layer) 5-D array
+  with ``layer`` its layer index (:func:`check_layer`).
+  """
   if not isinstance(spec, KVCacheSpec):
     raise TypeError(f"spec must be a KVCacheSpec, got {_what(spec)}")
   if not isinstance(cache, jax.Array):
     hint = " (wrap it once with jnp.asarray)" if isinstance(cache, np.ndarray) else ""
     raise TypeError(f"cache must be a jax.Array (the spec's physical array), got "
                     f"{_what(cache)}{hint}")
-  return spec.num_blocks_of(cache)
+  if layer is None:
+    return spec.num_blocks_of(cache)
+  num_blocks, num_layers = spec.blocks_and_layers(cache)
+  if num_layers is None:
+    raise ValueError(f"layer={_layer_repr(layer)} was given, but cache of shape "
+                     f"{tuple(cache.shape)} is one layer's 4-D cache: layer= goes with a "
+                     "layered (cross-layer) 5-D cache only")
+  check_layer(layer, num_layers)
+  return num_blocks
+
+
+def _layer_repr(layer) -> str:
+  return repr(layer) if isinstance(layer, (int, np.integer)) else f"<{_what(layer)}>"
+
+
+def check_layer(layer, num_layers: int):
+  """A layer index: a Python / numpy int, or an integer scalar array (traced under jit is
+  fine); in ``[0, num_layers)`` when concrete."""
+  if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer) + _ARRAYS):
+    raise TypeError(f"layer must be an int or an integer scalar array, got {_what(layer)}")
+  if isinstance(layer, _ARRAYS):
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+      raise TypeError(f"layer must be an integer scalar, got shape {tuple(layer.shape)} dtype "
+                      f"{layer.dtype}")
+  value = host_values(layer)
+  if value is not None and not 0 <= int(value) < num_layers:
+    raise ValueError(f"layer={int(value)} is outside [0, {num_layers}): the cache holds "
+                     f"{num_layers} layers")
+
+
+def layer_index(layer):
+  """A checked layer index for the ops: Python ints stay ints (static), arrays become int32
+  ``jax.Array`` scalars (saturated, never wrapped), None stays None."""
+  if layer is None or isinstance(layer, int):
+    return layer
+  if isinstance(layer, np.integer):
+    return int(layer)
+  return jnp.asarray(saturate_int32(layer))
 
 
 def check_kv_tokens(spec: KVCacheSpec, key, value, num_tokens: int):
@@ -233,10 +274,11 @@ def check_impl(impl: str):
 
 
 def check_attention_inputs(q, cache, spec: KVCacheSpec, seq_lens, block_table, sliding_window,
-                           soft_cap, sinks):
-  """Checks shared by every attention entry: q ``[T, Hq, D]``, the cache, seq_lens ``[S]``,
-  block_table ``[S, M]``, and the static options. Returns (seq_lens, block_table) as arrays."""
-  check_cache(spec, cache)
+                           soft_cap, sinks, layer=None):
+  """Checks shared by every attention entry: q ``[T, Hq, D]``, the cache (and its ``layer``),
+  seq_lens ``[S]``, block_table ``[S, M]``, and the static options. Returns (seq_lens,
+  block_table) as arrays."""
+  check_cache(spec, cache, layer)
   check_array("q", q, "[T, Hq, D] floating point")
   if q.ndim != 3:
     raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")

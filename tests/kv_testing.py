@@ -30,13 +30,14 @@ def random_kv(rng, spec: KVCacheSpec, num_tokens: int, spread: float = 3.0):
   return one(), one()
 
 
-def poisoned_cache(rng, spec: KVCacheSpec, num_blocks: int):
-  """A cache of random bytes of the spec's physical shape and storage dtype.
+def poisoned_cache(rng, spec: KVCacheSpec, num_blocks: int, num_layers=None):
+  """A cache of random bytes of the spec's physical shape and storage dtype (layered with
+  ``num_layers``).
 
   Float storage gets random *finite* bit patterns: XLA on CPU may canonicalize
   NaN payloads of elements it passes through, and a NaN payload is not data.
   """
-  shape = spec.physical_shape(num_blocks)
+  shape = spec.physical_shape(num_blocks, num_layers)
   nbytes = int(np.prod(shape)) * spec.itemsize
   raw = rng.integers(0, 256, nbytes, dtype=np.uint8).view(spec.storage_dtype).copy()
   if spec.storage_dtype.kind in "fV":  # numpy floats and ml_dtypes (bf16, fp8)

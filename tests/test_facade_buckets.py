@@ -160,8 +160,8 @@ def _dot_precisions(backend, cache, md, q):
   backend.forward(q, cache, md, torch.empty_like(q))
   (fn,) = [f for k, f in backend._attn.items() if k[-1] == backend._precision()]
   cx = backend._crossing(q.device)
-  jaxpr = jax.make_jaxpr(fn)(cx.fresh(q), cx.view(backend._cache(cache)),
-                             *md.jax_arrays(cx, q.shape[0]), None, None, None)
+  jaxpr = jax.make_jaxpr(fn)(cx.fresh(q), backend._cache_array(cx, backend._cache(cache, None)),
+                             *md.jax_arrays(cx, q.shape[0]), None, None, None, None)
   found = []
 
   def walk(jx):                    # nested jaxprs too (pjit, pallas_call's kernel, loops)

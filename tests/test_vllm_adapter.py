@@ -393,7 +393,9 @@ def test_unsupported_arguments_are_refused_by_name(rng):
     impl.forward(layer, q[:t - 1], None, None, kv_cache, md, out[:t - 1])
   with pytest.raises(TypeError, match="has no _k_scale"):
     impl.forward(object(), q, None, None, kv_cache, md, out)
-  with pytest.raises(ValueError, match="kv_cache must be one layer's 4-D"):
+  with pytest.raises(ValueError, match="kv_cache must be one layer's 4-D .* or a layered 5-D"):
+    impl.forward(layer, q, None, None, kv_cache[None, None], md, out)
+  with pytest.raises(ValueError, match="layered .* pass layer_index="):   # a stack of 1 layer
     impl.forward(layer, q, None, None, kv_cache[None], md, out)
   with pytest.raises(ValueError, match="num_actual_tokens must be a non-negative int"):
     va.KVJaxAttentionMetadata(md.query_start_loc, md.seq_lens, md.block_table, md.slot_mapping,

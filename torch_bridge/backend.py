@@ -11,8 +11,24 @@ not alias, the result is copied back and a warning raised). Stream ordering: see
 :mod:`torch_bridge.interop` (one event per call torch -> JAX, a stream wait
 JAX -> torch; the host never blocks).
 CPU: JAX cannot donate an imported buffer (it would copy), so the new cache is
-computed out of place and copied back into the torch tensor (a whole-cache copy per
-update: fine for tests, not for serving); calls return after JAX has finished.
+computed out of place (XLA copies the cache) and the pages the slots name are copied
+back into the torch tensor: fine for tests, not for serving; calls return after JAX has
+finished.
+
+Layered (cross-layer) caches: ``allocate_kv_cache(num_blocks, num_layers=L)`` gives one
+tensor for all layers; pass it whole to ``do_kv_cache_update`` / ``forward`` with
+``layer=l`` (a Python int). The layer travels into the jitted function as an int32
+argument, so every layer runs the same compiled program, in place (:mod:`kvjax.layers`).
+A layer's slice (``kv[l]`` of the logical view) is not compact and is refused, as is one
+block of a layered cache (``kv[:, b]``), which looks like a cache of L blocks.
+
+Host cost per call (what the facade adds to the jitted call): long-lived tensors are
+imported once and kept by identity (the cache, with its checks done on first use; the
+metadata of a step, checked, padded and imported on its first layer; an int32 slot
+mapping; on CUDA the donated output, whose previous result is its view), and every call
+makes exactly one fresh import after its one event: the query (``forward``) or the key
+(``do_kv_cache_update``), which carries the event into the JAX computation. A kept view
+aliases torch's memory, so torch's in-place writes into a kept tensor are seen.
 
 Compiled programs: one per (token count, sequence bucket, block-table width bucket,
 query-length bucket) for ``forward`` and one per key row count for
@@ -27,6 +43,7 @@ follows JAX's setting (``jax.default_matmul_precision`` / ``JAX_DEFAULT_MATMUL_P
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import warnings
 from typing import Optional
@@ -123,12 +140,13 @@ class PagedAttentionBackend:
     self.check_cuda_inputs = bool(check_cuda_inputs)
     self._out_checked = False
     self._tensor_scales = self.spec.format.has_tensor_scales
+    self._token_shape = {}   # heads -> (heads, D)
     self._crossings = {}
-    self._caches = {}        # cache tensor key -> storage-typed physical tensor
-    self._inplace_checked = set()
+    self._caches = {}        # cache tensor key -> _Cache
+    self._outs = {}          # output tensor key -> the donated result aliasing it (CUDA)
     self._consts = {}        # (device, value) -> JAX scalar / sinks array
-    self._attn = {}          # (max_query_len bucket, causal, donate, cuda) -> jitted fn
-    self._write = {}         # cuda -> jitted fn
+    self._attn = {}          # (max_query_len bucket, causal, donate, cuda, precision) -> fn
+    self._write = {}         # (cuda, precision) -> jitted fn
 
   # -- vLLM's static layout API --------------------------------------------------------------
   @staticmethod
@@ -147,7 +165,8 @@ class PagedAttentionBackend:
     """A zeroed torch cache: logical shape, the layout's stride order, importable zero-copy.
 
     dtype: the storage dtype (uint8 for fp8 per-tensor caches, as vLLM). On CPU the
-    buffer is 64-byte aligned so JAX imports it without a copy.
+    buffer is 64-byte aligned so JAX imports it without a copy. With ``num_layers`` one
+    layered (cross-layer) cache, logical ``(L, B, H, N, C)``: pass it whole with ``layer=``.
     """
     return D.empty_cache(self.spec, num_blocks, device=device, num_layers=num_layers)
 
@@ -158,41 +177,69 @@ class PagedAttentionBackend:
       cx = self._crossings[device] = interop.Crossing(device, self.crossing_mode)
     return cx
 
-  def _cache(self, kv_cache) -> torch.Tensor:
-    """The storage-typed physical tensor of ``kv_cache``: validated once per tensor identity
-    (address, shape, strides, dtype); its storage's size checked every call (O(1))."""
+  def _cache(self, kv_cache, layer) -> "_Cache":
+    """The cache entry of ``kv_cache``: validated once per tensor identity (address, shape,
+    strides, dtype); its storage's size checked every call (O(1)), and ``layer`` against it.
+    """
     if isinstance(kv_cache, torch.Tensor):
       key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
-      hit = self._caches.get(key)
-      if hit is not None:
-        phys, need = hit
+      entry = self._caches.get(key)
+      if entry is not None:
         st = kv_cache.untyped_storage()
-        if st.nbytes() < need or st.data_ptr() == 0:
-          checks.check_storage(kv_cache, need=need)      # raises, naming the sizes
-        return phys
+        if st.nbytes() < entry.need or st.data_ptr() == 0:
+          checks.check_storage(kv_cache, need=entry.need)   # raises, naming the sizes
+        if (layer is None) != (entry.num_layers is None) or layer is not None and not (
+            type(layer) is int and 0 <= layer < entry.num_layers):
+          _check_layer(layer, entry.num_layers, kv_cache)     # raises
+        return entry
       checks.check_storage(kv_cache)
     phys = L.physical_tensor(kv_cache, self.spec)
-    if phys.ndim != 4:
-      raise ValueError("pass one layer's 4-D cache (index the layers dim first)")
+    if phys.ndim == 4:
+      L.refuse_part_of_storage(phys)
     phys = D.storage_typed(phys, self.spec)
     L.check_shareable(phys)
-    if len(self._caches) >= 64:
-      self._caches.clear()
-    self._caches[key] = (phys, checks.storage_bytes_needed(kv_cache))
-    return phys
+    entry = _Cache(phys, checks.storage_bytes_needed(kv_cache), phys.shape[0],
+                   phys.shape[self.spec.layer_axis] if phys.ndim == 5 else None)
+    _check_layer(layer, entry.num_layers, kv_cache)
+    if len(self._caches) >= _KEEP_CACHES:
+      self._caches.pop(next(iter(self._caches)))      # the oldest: a cache no longer in use
+    self._caches[key] = entry
+    return entry
+
+  def _cache_array(self, cx, entry: "_Cache") -> jax.Array:
+    """The JAX view of the cache (kept in its entry; after a donated write, the result)."""
+    arr = entry.arr
+    if arr is None or arr.is_deleted():
+      arr = entry.arr = cx.view(entry.phys, keep=False)
+    return arr
+
+  def _layer_array(self, cx, layer):
+    """None, or the layer index as an int32 JAX scalar on ``cx``'s device (kept per value):
+    a traced argument of the jitted functions, so every layer shares one program."""
+    if layer is None:
+      return None
+    key = (cx.device, "layer", layer)
+    arr = self._consts.get(key)
+    if arr is None:
+      arr = self._consts[key] = jax.device_put(jnp.asarray(layer, jnp.int32), cx.jax_device)
+    return arr
 
   def _check_tokens(self, name, x, heads):
     if not isinstance(x, torch.Tensor):
       raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype != self.dtype:
       raise TypeError(f"{name} dtype {x.dtype} is not the backend's dtype {self.dtype}")
-    d = self.spec.head_size
-    if x.ndim == 2 and x.shape[1] == heads * d:
-      x = x.view(x.shape[0], heads, d)
-    if x.ndim != 3 or tuple(x.shape[1:]) != (heads, d):
-      raise ValueError(f"{name} must be [T, {heads}, {d}] (or [T, {heads * d}]), got "
-                       f"{tuple(x.shape)}")
-    return x
+    want = self._token_shape.get(heads)
+    if want is None:
+      want = self._token_shape[heads] = (heads, self.spec.head_size)
+    shape = x.shape
+    if len(shape) == 3 and shape[1:] == want:
+      return x
+    d = want[1]
+    if len(shape) == 2 and shape[1] == heads * d:
+      return x.view(shape[0], heads, d)
+    raise ValueError(f"{name} must be [T, {heads}, {d}] (or [T, {heads * d}]), got "
+                     f"{tuple(shape)}")
 
   def _impl(self, cx):
     """(impl, interpret) for tensors on ``cx``'s device. CPU tensors never take compiled
@@ -268,71 +315,86 @@ class PagedAttentionBackend:
     return checks.slots_int32(slot_mapping, num_slots, self.check_cuda_inputs, num_rows)
 
   def _copy_back(self, cx, phys, new):
-    """CPU (or a CUDA write XLA did not alias): copy JAX's new cache into torch's buffer."""
+    """A CUDA write XLA did not alias: copy JAX's whole new cache into torch's buffer."""
     phys.view(torch.uint8).copy_(cx.to_torch(new).view(torch.uint8))
 
+  def _copy_pages_back(self, phys, new, pages, layer):
+    """CPU: copy the pages ``pages`` (block ids, numpy; of ``layer`` for a layered cache) of
+    JAX's new cache into torch's buffer: numpy row copies of host memory, no copy of the rest."""
+    src = np.asarray(new).view(np.uint8)           # zero-copy: JAX's CPU buffer
+    dst = _host_bytes(phys).reshape(src.shape)
+    index = (pages,) if layer is None else (pages,) + (slice(None),) * (
+        self.spec.layer_axis - 1) + (layer,)
+    dst[index] = src[index]
+
   # -- the two ops ---------------------------------------------------------------------------
-  def do_kv_cache_update(self, key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None):
+  def do_kv_cache_update(self, key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None,
+                         layer: Optional[int] = None):
     """Write ``key``/``value`` ``[T', H, D]`` into ``kv_cache`` (torch, in place) by slot.
 
     ``slot_mapping``: int32/int64 ``[T]`` (negative = skip; int32 avoids a conversion).
+    ``layer``: with a layered cache (``allocate_kv_cache(..., num_layers=L)``), the layer
+    written (a Python int; slots are the layer's own); None for one layer's cache.
     Quantizes on write for every cache dtype. Returns None (vLLM's convention).
     """
     h = self.spec.num_kv_heads
     key = self._check_tokens("key", key, h)
     value = self._check_tokens("value", value, h)
-    phys = self._cache(kv_cache)
+    entry = self._cache(kv_cache, layer)
     cx = self._crossing(key.device)
-    slots_t = self._slots(slot_mapping, phys.shape[0] * self.spec.block_size, key.shape[0])
+    num_slots = entry.num_blocks * self.spec.block_size
+    slots_t = self._slots(slot_mapping, num_slots, key.shape[0])
     ks, vs = self._scales(cx, k_scale, v_scale)
     cx.fence()                 # after every torch op above, before every import below
-    k, v = cx.fresh(key), cx.fresh(value)
+    k, v = cx.input(key), cx.input(value)       # CUDA: fresh after the fence, carrying it
     slots = cx.view(slots_t, zero_copy=False) if slots_t is slot_mapping else cx.fresh(slots_t)
-    cache = cx.view(phys)
+    cache = self._cache_array(cx, entry)
     prec = self._precision()
     fn = self._write.get((cx.is_cuda, prec))
     if fn is None:
       fn = self._write[(cx.is_cuda, prec)] = jitted.write_fn(self.spec, *self._impl(cx),
                                                             cx.is_cuda, prec)
-    new = fn(cache, k, v, slots, self._scale_array(cx, ks), self._scale_array(cx, vs))
+    new = fn(cache, k, v, slots, self._scale_array(cx, ks), self._scale_array(cx, vs),
+             self._layer_array(cx, layer))
     if not cx.is_cuda:
-      self._copy_back(cx, phys, new)
+      host = slots_t.numpy()
+      named = host[(host >= 0) & (host < num_slots)]
+      self._copy_pages_back(entry.phys, jax.block_until_ready(new),
+                            np.unique(named // self.spec.block_size), layer)
       return None
-    pkey = cx._key(phys)
-    if pkey not in self._inplace_checked:
-      if new.unsafe_buffer_pointer() != phys.data_ptr():
+    if not entry.inplace_checked:
+      if new.unsafe_buffer_pointer() != entry.phys.data_ptr():
         warnings.warn("torch_bridge: XLA did not write the donated cache in place; copying back")
-        cx.forget(phys)
-        self._copy_back(cx, phys, new)
+        entry.arr = None
+        self._copy_back(cx, entry.phys, new)
         return None
-      self._inplace_checked.add(pkey)
-    cx.keep(phys, new)     # the donated input is gone; the result is the same memory
+      entry.inplace_checked = True
+    entry.arr = new        # the donated input is gone; the result is the same memory
     cx.publish(new)
     return None
 
   def forward(self, query, kv_cache, metadata: PagedAttentionMetadata, output, k_scale=None,
-              v_scale=None):
+              v_scale=None, layer: Optional[int] = None):
     """Attention of ``query`` ``[T, Hq, D]`` over ``kv_cache``, written into ``output``.
 
     ``output``: torch ``[T, Hq, D]`` (or ``[T, Hq*D]``) of the backend's dtype; rows of
-    padding tokens (past ``query_start_loc[-1]``) get 0. Returns ``output``.
+    padding tokens (past ``query_start_loc[-1]``) get 0. ``layer``: with a layered cache,
+    the layer attended over (a Python int); None for one layer's cache. Returns ``output``.
     """
     if not isinstance(metadata, PagedAttentionMetadata):
       raise TypeError(f"metadata must be a PagedAttentionMetadata, got {type(metadata).__name__}")
     q = self._check_tokens("query", query, self.num_heads)
     out = self._check_tokens("output", output, self.num_heads)
-    if out.shape[0] != q.shape[0]:
-      raise ValueError(f"output has {out.shape[0]} tokens, query {q.shape[0]}")
-    phys = self._cache(kv_cache)
-    cx = self._crossing(q.device)
     t = q.shape[0]
-    metadata.check_values(t, phys.shape[0], self.spec.block_size, self.check_cuda_inputs)
+    if out.shape[0] != t:
+      raise ValueError(f"output has {out.shape[0]} tokens, query {t}")
+    entry = self._cache(kv_cache, layer)
+    cx = self._crossing(q.device)
+    metadata.check_values(t, entry.num_blocks, self.spec.block_size, self.check_cuda_inputs)
     mql = metadata.padded(t)[3]          # torch work (padding), once per metadata and T
-    if not q.is_contiguous():
-      q = q.contiguous()
     ks, vs = self._scales(cx, k_scale, v_scale)
     cx.fence()                           # after every torch op above, before every import
-    qj = cx.fresh(q)
+    qj = cx.input(q)                     # CUDA: a fresh import, carrying the fence
     qsl, sl, bt = metadata.jax_arrays(cx, t)
     donate = cx.is_cuda and self.output_mode == "donate" and out.is_contiguous()
     prec = self._precision()
@@ -342,12 +404,14 @@ class PagedAttentionBackend:
       fn = self._attn[fkey] = jitted.attention_fn(
           self.spec, self.scale, metadata.causal, self.sliding_window, self.soft_cap, mql,
           *self._impl(cx), donate, prec)
-    args = (qj, cx.view(phys), qsl, sl, bt, self._sinks(cx), self._scale_array(cx, ks),
-            self._scale_array(cx, vs))
+    args = (qj, self._cache_array(cx, entry), qsl, sl, bt, self._sinks(cx),
+            self._scale_array(cx, ks), self._scale_array(cx, vs), self._layer_array(cx, layer))
     if not donate:
       out.copy_(cx.to_torch(fn(*args)))
       return output
-    res = fn(*args, cx.fresh(out))
+    okey = cx._key(out)
+    prev = self._outs.pop(okey, None)    # the previous result in out's memory, if kept
+    res = fn(*args, prev if prev is not None and not prev.is_deleted() else cx.fresh(out))
     if not self._out_checked:
       if res.unsafe_buffer_pointer() != out.data_ptr():
         warnings.warn("torch_bridge: XLA did not write into the donated output; copying")
@@ -355,6 +419,10 @@ class PagedAttentionBackend:
         out.copy_(cx.to_torch(res))
         return output
       self._out_checked = True
+    if out.numel() * out.element_size() <= _KEEP_OUTPUT_BYTES:
+      if len(self._outs) >= _KEEP_OUTPUTS:
+        self._outs.pop(next(iter(self._outs)))
+      self._outs[okey] = res             # it keeps out's memory alive: a small bounded set
     cx.publish(res)
     return output
 
@@ -363,3 +431,49 @@ class PagedAttentionBackend:
     for cx in self._crossings.values():
       cx.clear()
     self._caches.clear()
+    self._outs.clear()
+
+
+#: Cache tensors a backend keeps validated and imported (one model's layers, whatever their
+#: number, on one backend).
+_KEEP_CACHES = 512
+#: Donated outputs kept for reuse (CUDA): at most this many, each at most this large
+#: (a kept result holds its output tensor's memory).
+_KEEP_OUTPUTS, _KEEP_OUTPUT_BYTES = 32, 1 << 20
+
+
+class _Cache:
+  """A cache tensor the backend has validated: its storage-typed physical tensor, the
+  storage bytes it addresses, (B, L) (L None for one layer), the JAX view (None until
+  imported; after a donated write, the result) and whether in-place writing was verified."""
+  __slots__ = ("phys", "need", "num_blocks", "num_layers", "arr", "inplace_checked")
+
+  def __init__(self, phys, need, num_blocks, num_layers):
+    self.phys, self.need, self.num_blocks, self.num_layers = phys, need, num_blocks, num_layers
+    self.arr, self.inplace_checked = None, False
+
+
+def _host_bytes(phys: torch.Tensor) -> np.ndarray:
+  """The bytes of a contiguous CPU tensor as a writable flat numpy uint8 array over the same
+  memory. Built from the address, not ``Tensor.numpy()``, which would make the storage
+  non-resizable for good (the storage check must keep seeing a resize as what it is)."""
+  nbytes = phys.numel() * phys.element_size()
+  return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(phys.data_ptr()))
+
+
+def _check_layer(layer, num_layers, kv_cache):
+  """``layer`` pairs with the cache: None for one layer's cache, else an int in [0, L)."""
+  shape = tuple(kv_cache.shape)
+  if num_layers is None:
+    if layer is not None:
+      raise ValueError(f"layer={layer!r} was given, but kv_cache of shape {shape} is one "
+                       "layer's 4-D cache: layer= goes with a layered (cross-layer) cache only")
+    return
+  if layer is None:
+    raise ValueError(f"kv_cache of shape {shape} is a layered (cross-layer) cache of "
+                     f"{num_layers} layers: pass the layer index, layer=")
+  if type(layer) is not int:
+    raise TypeError(f"layer must be a Python int, got {type(layer).__name__}")
+  if not 0 <= layer < num_layers:
+    raise ValueError(f"layer={layer} is outside [0, {num_layers}): kv_cache holds {num_layers} "
+                     "layers")

@@ -36,16 +36,16 @@ def saturate_int32(t: torch.Tensor) -> torch.Tensor:
 
 def slots_int32(slot_mapping: torch.Tensor, num_slots: int, on_cuda: bool,
                 length: Optional[int] = None) -> torch.Tensor:
-  """int32 slots, checked (< num_slots) where readable. Wider slots outside
-  ``[0, num_slots)`` become -1 before the narrowing (kvjax's rule, ``kvjax.slots``):
+  """int32 slots, checked (< num_slots) where readable. Wider slots are clamped to
+  ``[-1, num_slots]`` before the narrowing, so every slot outside ``[0, num_slots)`` stays
+  outside (a skip, or dropped past the end: kvjax's rule, ``kvjax.slots``), where
   ``.to(torch.int32)`` alone would wrap -(2**32) + 5 (a skip) to slot 5.
   ``length``: pad with -1 (skips) to this many slots (a new tensor when padded)."""
   host = host_values(slot_mapping, on_cuda)
   if host is not None:
     V.check_slot_values("slot_mapping", host, num_slots, negative_ok=True)
-  if slot_mapping.dtype != torch.int32:
-    inside = (slot_mapping >= 0) & (slot_mapping < num_slots)
-    slot_mapping = torch.where(inside, slot_mapping, -1).to(torch.int32)
+  if slot_mapping.dtype != torch.int32:     # -1 and num_slots are skips alike: two kernels
+    slot_mapping = slot_mapping.clamp(-1, num_slots).to(torch.int32)
   extra = 0 if length is None else length - slot_mapping.shape[0]
   if extra > 0:
     slot_mapping = torch.nn.functional.pad(slot_mapping, (0, extra), value=-1)

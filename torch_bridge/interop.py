@@ -32,6 +32,9 @@ from torch_bridge import layout as L
 
 _DL_CPU, _DL_CUDA = 1, 2
 MODES = ("fast", "dlpack")
+#: Per-call CPU inputs at most this large are kept by identity (:meth:`Crossing.input`): a
+#: kept view holds its tensor's memory, so the set stays small.
+KEEP_INPUT_BYTES = 1 << 20
 
 
 def t_dtype_np(t: torch.Tensor):
@@ -56,9 +59,10 @@ class Crossing:
       warning if this jaxlib's private import entry point does not work.
     max_views: how many long-lived views to keep (least recently used dropped).
       A kept view keeps its torch memory alive (it holds the DLPack capsule).
+      (Caches are kept by the backend itself, not here.)
   """
 
-  def __init__(self, device, mode: str = "fast", max_views: int = 16):
+  def __init__(self, device, mode: str = "fast", max_views: int = 64):
     if mode not in MODES:
       raise ValueError(f"mode={mode!r} must be one of {MODES}")
     self.device = torch.device(device)
@@ -125,20 +129,37 @@ class Crossing:
       t = t.contiguous()
     return self._import(t, None)
 
+  def input(self, t: torch.Tensor) -> jax.Array:
+    """A per-call input (query, key, value) after :meth:`fence`.
+
+    CUDA: always a fresh import, defined after the fence, so the computation that reads it
+    waits for torch's queued work (one such import per call orders the whole call). CPU,
+    where the facade waits for each call's results before returning: a contiguous aligned
+    tensor of at most ``KEEP_INPUT_BYTES`` is kept by identity like a long-lived view
+    (passed again, it is not imported again; it aliases torch's memory, so in-place writes
+    are seen), anything else is imported fresh.
+    """
+    if self.is_cuda or t.numel() * t.element_size() > KEEP_INPUT_BYTES or \
+        not t.is_contiguous() or t.device != self.device:
+      return self.fresh(t)
+    return self.view(t, zero_copy=False)
+
   @staticmethod
   def _key(t: torch.Tensor):
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
-  def view(self, t: torch.Tensor, *, zero_copy: bool = True) -> jax.Array:
+  def view(self, t: torch.Tensor, *, zero_copy: bool = True, keep: bool = True) -> jax.Array:
     """A JAX view of a long-lived contiguous tensor, imported once and reused.
 
     Keyed by (address, shape, strides, dtype): a cached array addresses exactly the
-    tensor's memory, so torch's later in-place writes are seen by later calls.
-    ``zero_copy``: refuse (ValueError) instead of copying. Inputs that JAX would copy
-    (misaligned CPU) are imported but not kept.
+    tensor's memory, so torch's later in-place writes are seen by later calls (no version
+    counter in the key: a view never goes stale, and torch writes through raw pointers do
+    not count versions). ``zero_copy``: refuse (ValueError) instead of copying. Inputs that
+    JAX would copy (misaligned CPU) are imported but not kept. ``keep=False``: import
+    without keeping (for a caller that keeps the view itself).
     """
     key = self._key(t)
-    arr = self._views.get(key)
+    arr = self._views.get(key) if keep else None
     if arr is not None and not arr.is_deleted():
       self._views.move_to_end(key)
       return arr
@@ -147,13 +168,12 @@ class Crossing:
     if not t.is_contiguous():
       raise ValueError(f"tensor of shape {tuple(t.shape)} strides {t.stride()} is not "
                        "contiguous: it cannot be shared with JAX as is")
-    aligned = self.is_cuda or t.data_ptr() % L.CPU_ALIGNMENT == 0
     if zero_copy:
       L.check_shareable(t)
     if t.requires_grad:
       t = t.detach()
     arr = self._import(t, False if zero_copy else None)
-    if aligned:
+    if keep and (zero_copy or arr.unsafe_buffer_pointer() == t.data_ptr()):   # not a copy
       self.keep(t, arr)
     return arr
 

@@ -31,14 +31,16 @@ def _precision(precision):
 
 @functools.lru_cache(maxsize=None)
 def write_fn(spec: KVCacheSpec, impl: str, interpret, donate: bool, precision=None):
-  """``f(cache, key, value, slot_mapping, k_scale, v_scale) -> new cache``.
+  """``f(cache, key, value, slot_mapping, k_scale, v_scale, layer) -> new cache``.
 
   With ``donate`` the cache argument is donated, so the write lands in its buffer.
+  ``layer``: None (one layer's cache) or an int32 scalar (a layered cache): traced, so
+  every layer runs one program.
   """
-  def write(cache, key, value, slot_mapping, k_scale, v_scale):
+  def write(cache, key, value, slot_mapping, k_scale, v_scale, layer):
     with _precision(precision):
       return kvjax.write_kv(cache, key, value, slot_mapping, spec, k_scale=k_scale,
-                            v_scale=v_scale, impl=impl, interpret=interpret)
+                            v_scale=v_scale, impl=impl, interpret=interpret, layer=layer)
   return jax.jit(write, donate_argnums=(0,) if donate else ())
 
 
@@ -46,27 +48,30 @@ def write_fn(spec: KVCacheSpec, impl: str, interpret, donate: bool, precision=No
 def attention_fn(spec: KVCacheSpec, scale: float, causal: bool, sliding_window, soft_cap,
                  max_query_len: int, impl: str, interpret, donate_out: bool = False,
                  precision=None):
-  """``f(q, cache, query_start_loc, seq_lens, block_table, sinks, k_scale, v_scale) -> out``.
+  """``f(q, cache, query_start_loc, seq_lens, block_table, sinks, k_scale, v_scale, layer)
+  -> out``.
 
-  ``out`` is ``[T, Hq, D]`` in q's dtype (kvjax.unified_attention). With
-  ``donate_out`` the function takes a ninth argument, a donated ``[T, Hq, D]``
-  buffer (its values unused) that XLA reuses for the result: the output lands there.
+  ``out`` is ``[T, Hq, D]`` in q's dtype (kvjax.unified_attention); ``layer`` as in
+  :func:`write_fn`. With ``donate_out`` the function takes a tenth argument, a donated
+  ``[T, Hq, D]`` buffer (its values unused) that XLA reuses for the result: the output
+  lands there.
   """
-  def attend(q, cache, query_start_loc, seq_lens, block_table, sinks, k_scale, v_scale):
+  def attend(q, cache, query_start_loc, seq_lens, block_table, sinks, k_scale, v_scale, layer):
     with _precision(precision):
       return kvjax.unified_attention(
           q, cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
           block_table=block_table, scale=scale, causal=causal, sliding_window=sliding_window,
           soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-          max_query_len=max_query_len, impl=impl, interpret=interpret)
+          max_query_len=max_query_len, impl=impl, interpret=interpret, layer=layer)
   if not donate_out:
     return jax.jit(attend)
 
   def attend_into(q, cache, query_start_loc, seq_lens, block_table, sinks, k_scale, v_scale,
-                  out):
+                  layer, out):
     del out   # only its buffer is wanted: donated, aliased to the result
-    return attend(q, cache, query_start_loc, seq_lens, block_table, sinks, k_scale, v_scale)
-  return jax.jit(attend_into, donate_argnums=(8,), keep_unused=True)
+    return attend(q, cache, query_start_loc, seq_lens, block_table, sinks, k_scale, v_scale,
+                  layer)
+  return jax.jit(attend_into, donate_argnums=(9,), keep_unused=True)
 
 
 def pow2_at_least(n: int) -> int:

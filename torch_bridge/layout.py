@@ -8,6 +8,7 @@ one head, a strided slice) is refused: it cannot be shared as one buffer.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -97,6 +98,8 @@ def physical_tensor(tensor, spec: KVCacheSpec, view: Optional[str] = None) -> to
           "(as allocate_kv_cache and to_torch return it), or say view='physical' if it is the "
           "physical buffer")
     return tensor
+  if tensor.ndim == 4:
+    _refuse_layer_slice(tensor, spec)
   wanted = {None: "neither the logical view nor the physical contiguous buffer",
             "logical": "not the logical view (view='logical')",
             "physical": "not the physical contiguous buffer (view='physical')"}[view]
@@ -105,6 +108,55 @@ def physical_tensor(tensor, spec: KVCacheSpec, view: Optional[str] = None) -> to
       f"{spec.layout} {spec.cache_dtype!r} cache (for B={b}: logical {logical_shape}, physical "
       f"{physical_shape}); non-compact views (a K half, one head, a strided slice) cannot be "
       "shared as one buffer")
+
+
+def _refuse_layer_slice(tensor, spec: KVCacheSpec):
+  """ValueError if the 4-D ``tensor`` is laid out like one layer of a layered (cross-layer)
+  cache: ``kv[l]`` of its logical view or the layer's slice of its physical buffer (not
+  compact: its blocks sit ``L`` pages apart). The ops take the whole layered tensor and
+  ``layer=`` instead. (Every L-th block of a one-layer cache looks the same: the message
+  says both.)"""
+  page = math.prod(spec.physical_shape(1)[1:])
+  b, layers = tensor.shape[0], tensor.stride(0) // page
+  if b < 2 or layers < 2 or tensor.stride(0) % page:
+    return
+  try:
+    logical = spec.logical_strides(b, layers)
+    physical = contiguous_strides(spec.physical_shape(b, layers))
+  except ValueError:
+    return
+  axis = spec.layer_axis
+  phys_shape = spec.physical_shape(b, layers)
+  forms = ((spec.logical_shape(b), logical[1:], logical[0], "kv[l] of its logical view"),
+           (phys_shape[:axis] + phys_shape[axis + 1:], physical[:axis] + physical[axis + 1:],
+            physical[axis], "the layer's slice of its physical buffer"))
+  for shape, strides, layer_stride, what in forms:
+    if _strides_match(tensor, shape, strides):
+      guess = tensor.storage_offset() // layer_stride
+      like = f"layer {guess}" if 0 <= guess < layers else "one layer"
+      raise ValueError(
+          f"tensor of shape {tuple(tensor.shape)} strides {tensor.stride()} is a non-compact "
+          f"view, its blocks {layers} pages apart: it is laid out like {like} of a layered "
+          f"(cross-layer) cache of {layers} layers ({what}). A layer cannot be shared as one "
+          "buffer: pass the whole layered tensor and the layer index (layer=) instead")
+
+
+def refuse_part_of_storage(tensor: torch.Tensor, name: str = "kv_cache"):
+  """ValueError if a 4-D cache tensor covers at most half of its storage.
+
+  A cache is its own allocation (``allocate_kv_cache`` / ``empty_cache``; vLLM allocates one
+  buffer per cache). A compact tensor inside a bigger buffer is most likely one block of a
+  layered cache (``kv[:, b]`` of the logical view, ``physical[b]``: every layer of block b,
+  whose shape and strides are those of a one-layer cache of L blocks): refused, with the fix.
+  """
+  need = tensor.numel() * tensor.element_size()
+  have = tensor.untyped_storage().nbytes()
+  if tensor.ndim == 4 and need and have >= 2 * need:
+    raise ValueError(
+        f"{name} of shape {tuple(tensor.shape)} covers {need} of its storage's {have} bytes: it "
+        "is a slice of a bigger buffer, e.g. one block of a layered (cross-layer) cache "
+        "(kv[:, b] of its logical view), not a cache. Pass a whole cache: for a layered one, "
+        "the whole layered tensor and the layer index (layer=)")
 
 
 def logical_view(tensor, spec: KVCacheSpec, view: Optional[str] = None) -> torch.Tensor:

@@ -24,7 +24,12 @@ The conventions the impl follows:
 - the cache layout is the one the backend announces (``kv_cache_layout``, NHD unless a
   subclass says HND); the impl reads it back from the strides of the cache tensor it is
   handed, which is vLLM's logical ``(B, H, N, C)`` view. Block size and model dtype come
-  from the tensors too, so one impl serves whatever cache vLLM allocated.
+  from the tensors too, so one impl serves whatever cache vLLM allocated;
+- a layered (cross-layer) cache, vLLM's logical ``(L, B, H, N, C)`` view of one allocation
+  for every layer (``get_kv_cache_stride_order(include_num_layers_dimension=True)``), is
+  passed whole: the layer index is ``layer_index=``, or else read from ``layer.layer_name``
+  (its one integer component, as vLLM numbers layers: "model.layers.3.self_attn.attn" is
+  layer 3). A layer's slice ``kv[l]`` is refused (not compact).
 
 Refused with an error naming the argument: ALiBi, non-decoder attention, fused output
 quantization (``output_scale`` / ``output_block_scale``), a per-request causal tensor.
@@ -153,47 +158,54 @@ class KVJaxAttentionImpl:
 
   def _backend(self, kv_cache, dtype) -> PagedAttentionBackend:
     """The backend for this cache tensor (vLLM's logical view) and model dtype."""
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.ndim != 4:
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.ndim not in (4, 5):
       shape = tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else None
-      raise ValueError(f"kv_cache must be one layer's 4-D logical cache tensor (B, H, N, C), "
-                       f"got {type(kv_cache).__name__} of shape {shape}")
+      raise ValueError(f"kv_cache must be one layer's 4-D logical cache tensor (B, H, N, C) or "
+                       f"a layered 5-D one (L, B, H, N, C), got {type(kv_cache).__name__} of "
+                       f"shape {shape}")
     # logical (B, H, N, C): NHD memory holds each token's heads side by side (the N stride is
     # the larger), HND each head's tokens (the H stride is); with one head the bytes agree.
-    layout = "HND" if kv_cache.stride(1) > kv_cache.stride(2) else "NHD"
-    key = (kv_cache.shape[2], layout, dtype)
+    h = kv_cache.ndim - 3                              # the head dim: 1, or 2 with layers
+    layout = "HND" if kv_cache.stride(h) > kv_cache.stride(h + 1) else "NHD"
+    key = (kv_cache.shape[h + 1], layout, dtype)
     backend = self._backends.get(key)
     if backend is None:
       backend = self._backends[key] = PagedAttentionBackend(
-          self.num_heads, self.num_kv_heads, self.head_size, kv_cache.shape[2],
+          self.num_heads, self.num_kv_heads, self.head_size, key[0],
           self.kv_cache_dtype, layout, dtype, scale=self.scale,
           sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap, sinks=self.sinks)
     return backend
 
   def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
-                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                         layer_index: Optional[int] = None) -> None:
     """Write ``key`` / ``value`` ``[T', H, D]`` into ``kv_cache`` in place, by slot.
 
     ``slot_mapping``: int32/int64 ``[T]``, ``T <= T'`` (the key rows after T are padding
     and not written; a negative slot writes nothing). An empty ``kv_cache`` (vLLM's
-    placeholder before the caches are allocated) is left alone.
+    placeholder before the caches are allocated) is left alone. ``layer_index``: the layer
+    of a layered ``kv_cache`` (default: from ``layer.layer_name``).
     """
     if isinstance(kv_cache, torch.Tensor) and kv_cache.numel() == 0:
       return
     k_scale, v_scale = _layer_scales(layer)
     self._backend(kv_cache, key.dtype).do_kv_cache_update(
-        key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+        layer=_layer_index(layer, kv_cache, layer_index))
 
   def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               kv_cache: torch.Tensor, attn_metadata: Optional[KVJaxAttentionMetadata],
               output: Optional[torch.Tensor] = None, output_scale: Optional[torch.Tensor] = None,
-              output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+              output_block_scale: Optional[torch.Tensor] = None, *,
+              layer_index: Optional[int] = None) -> torch.Tensor:
     """Attention of ``query`` ``[T, Hq, D]`` over ``kv_cache``, written into ``output``.
 
     ``output``: ``[T, Hq, D]`` or ``[T, Hq*D]`` in the model dtype (required). Rows
     ``[:num_actual_tokens]`` get the result; the others keep their bytes (when there are
     such padding rows, the result passes through a scratch ``[T, ...]`` buffer: one extra
     allocation and copy). ``key`` / ``value`` are not used (the cache was written by
-    ``do_kv_cache_update``). Returns ``output``.
+    ``do_kv_cache_update``). ``layer_index``: as in :meth:`do_kv_cache_update`. Returns
+    ``output``.
     """
     if output_scale is not None or output_block_scale is not None:
       raise NotImplementedError("output_scale / output_block_scale: fused output quantization "
@@ -213,14 +225,17 @@ class KVJaxAttentionImpl:
       return output
     k_scale, v_scale = _layer_scales(layer)
     backend = self._backend(kv_cache, query.dtype)
+    li = _layer_index(layer, kv_cache, layer_index)
     if n == output.shape[0]:
-      backend.forward(query, kv_cache, attn_metadata, output, k_scale=k_scale, v_scale=v_scale)
+      backend.forward(query, kv_cache, attn_metadata, output, k_scale=k_scale, v_scale=v_scale,
+                      layer=li)
       return output
     # A padded step: attend with every row, so programs are compiled per padded size (vLLM's
     # few CUDA-graph sizes) rather than per actual count; the backend zeroes rows past the
     # last query, so the result goes through a scratch buffer and only real rows are copied.
     full = torch.empty_like(output)
-    backend.forward(query, kv_cache, attn_metadata, full, k_scale=k_scale, v_scale=v_scale)
+    backend.forward(query, kv_cache, attn_metadata, full, k_scale=k_scale, v_scale=v_scale,
+                    layer=li)
     output[:n].copy_(full[:n])
     return output
 
@@ -229,6 +244,24 @@ class KVJaxAttentionImpl:
 
   def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
     """Nothing to prepare: sinks are read at the first call."""
+
+
+def _layer_index(layer, kv_cache, layer_index: Optional[int]) -> Optional[int]:
+  """The layer index a layered (5-D) ``kv_cache`` is used with; None for a 4-D cache.
+
+  ``layer_index`` when given, else the one integer component of ``layer.layer_name``
+  (vLLM's layer naming, e.g. "model.layers.3.self_attn.attn" -> 3)."""
+  if kv_cache.ndim != 5:
+    return layer_index         # None; anything else is refused by the backend, with the reason
+  if layer_index is not None:
+    return layer_index
+  name = getattr(layer, "layer_name", None)
+  numbers = [int(p) for p in name.split(".") if p.isdigit()] if isinstance(name, str) else []
+  if len(numbers) != 1:
+    raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)} is a layered (cross-layer) "
+                     f"cache: pass layer_index=, or a layer whose layer_name holds its index "
+                     f"as its one integer component (got layer_name={name!r})")
+  return numbers[0]
 
 
 def _layer_scales(layer):

@@ -57,6 +57,9 @@ class Codec:
   has_row_scales: ClassVar[bool] = False
   #: Whether K and V are the two halves of a row (False: nvfp4's head groups).
   content_halves: ClassVar[bool] = True
+  #: Why a layered (cross-layer) array cannot hold the format; None = it can (every row
+  #: format: a row is self-contained, wherever the layer's pages sit).
+  no_layered_reason: ClassVar[Optional[str]] = None
   #: ``"module:Class"`` of the Triton hooks; None = the Triton kernels cannot run it.
   triton: ClassVar[Optional[str]] = None
   #: The head-dim rotation of the stored values (``kvjax.write_kv`` rotates K/V before any

@@ -66,6 +66,8 @@ class Nvfp4Codec(Codec):
   layouts = ("HND",)
   has_tensor_scales = True
   content_halves = False
+  no_layered_reason = ("each side's [data | scales] split spans a page's whole (heads, tokens) "
+                       "block, which a layered array interleaves with the other layers")
   triton = "pallas_kernels.triton.formats:Nvfp4Format"
 
   def check_head_size(self, head_size: int):
