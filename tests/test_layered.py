@@ -210,7 +210,11 @@ def test_worked_numbers_of_docs_layout():
 
 # -- no copy, no slice of the cache -----------------------------------------------------------
 _ALLOW = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-_OK_OPS = ("stablehlo.reshape", "stablehlo.custom_call", "call ", "func.func", "return ")
+#: What may touch the cache on its way into a kernel: free reshapes and bitcasts (the
+#: per-token-head formats' float32 view of the same bytes for their row scales; measured on
+#: the H200 to allocate nothing), the kernel call itself.
+_OK_OPS = ("stablehlo.reshape", "stablehlo.bitcast_convert", "stablehlo.custom_call", "call ",
+           "func.func", "return ")
 
 
 def _cache_lines(text, numel):
@@ -225,8 +229,8 @@ def _cache_lines(text, numel):
 @pytest.mark.parametrize("op", ["decode", "ragged", "write"])
 def test_the_cuda_lowering_hands_the_whole_cache_to_the_kernel(op):
   """Exported for CUDA (the lowering the GPU runs), a jitted layered call with a traced layer
-  only reshapes the cache on its way into the Triton kernel: no slice, gather, transpose or
-  copy of it; a donated write aliases it to the output."""
+  only reshapes (or bitcasts) the cache on its way into the Triton kernel: no slice, gather,
+  transpose or copy of it; a donated write aliases it to the output."""
   spec = KVCacheSpec(2, 64, 16, "int8_per_token_head", "NHD")
   shape = spec.physical_shape(8, 4)
   cache = jax.ShapeDtypeStruct(shape, spec.storage_dtype)
