@@ -169,6 +169,7 @@ def test_untouched_nan_payloads_keep_their_bits(rng, impl, cache_dtype, jitted):
   assert not np.array_equal(rows[[20, 5]], raw.reshape(3 * 16, -1)[[20, 5]])
 
 
+@pytest.mark.slow        # the fast tier has it in test_edges.py (reference and Pallas, eager and jit)
 @pytest.mark.parametrize("impl", implementations("write"))
 def test_int4_rows_near_the_float32_limit_round_trip_finite(rng, impl):
   """max - min of a row holding -3e38 and 3e38 overflows float32; the scale must not."""
