@@ -17,20 +17,42 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
     cache: the spec's physical array (``spec.physical_shape(B)``, ``spec.storage_dtype``), or
       a layered one (``spec.physical_shape(B, L)``) with ``layer``.
     key, value: ``[T', H, D]`` in ``spec.dtype``; only the first ``len(slot_mapping)``
-      tokens are written.
-    slot_mapping: int ``[T]``: ``block * block_size + offset``; negative = skip.
-    k_scale, v_scale: global scales (fp8 per-tensor: scalar or [H]; nvfp4: scalar).
+      tokens are written (T' >= T: a padded step's extra rows are ignored).
+    slot_mapping: int ``[T]`` (jax or numpy array, or a list): token ``i`` goes to page
+      ``slot_mapping[i] // block_size``, offset ``slot_mapping[i] % block_size``; a negative
+      slot skips the token. Slots past the cache raise a ValueError when concrete and are
+      dropped (never wrapped) when traced.
+    spec: the :class:`kvjax.KVCacheSpec` of ``cache``.
+    k_scale, v_scale: global scales (fp8 per-tensor: scalar or [H]; nvfp4: scalar), float32;
+      None = 1.0. Formats without global scales ignore them.
     impl: "auto" or a name in ``kvjax.registry.WRITE`` ("pallas" = the Triton kernel,
-      "reference"); interpret: Pallas interpret mode (None: where the kernel is not native).
-      ``kvjax.explain("write", spec)`` says which implementation runs and why.
+      "mosaic_tpu", "reference"); interpret: Pallas interpret mode (None: where the kernel is
+      not native). ``kvjax.explain("write", spec)`` says which implementation runs and why.
     layer: with a layered cache, the layer written: a Python int or an int32 scalar (traced
       under jit: one program for every layer; outside ``[0, L)`` it writes nothing). Slots
       are the layer's own (``block * block_size + offset``); only that layer's rows change
       (:mod:`kvjax.layers`).
+  Returns:
+    the new cache, same shape and dtype.
+
   Pure: under ``jax.jit`` with the cache donated, the write happens in place.
-  Quantize-on-write for every cache dtype; blocks not named by a slot are untouched. A format
+  Quantize-on-write for every cache dtype; rows not named by a slot keep their bytes. A format
   that stores rotated rows (int4 per token-head: ``spec.codec.rotation``) gets key and value
   rotated here, before any implementation encodes them.
+
+  >>> import jax, jax.numpy as jnp, kvjax
+  >>> spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16,
+  ...                          cache_dtype="int8_per_token_head")
+  >>> cache = spec.allocate(num_blocks=4)
+  >>> cache.shape, cache.dtype          # NHD (B, N, H, 2 * (D + 4)): a float32 scale per side
+  ((4, 16, 2, 136), dtype('int8'))
+  >>> k = jnp.linspace(-1, 1, 3 * 2 * 64).reshape(3, 2, 64).astype(jnp.bfloat16)
+  >>> cache = kvjax.write_kv(cache, k, -k, [17, 18, -1], spec)   # page 1, offsets 1, 2; a skip
+  >>> write = jax.jit(kvjax.write_kv, donate_argnums=0)          # in place; spec needs no static
+  >>> cache = write(cache, k, -k, jnp.array([0, 63, -1]), spec)
+  >>> k_back, v_back = kvjax.read_kv(cache, spec, [17, 63])
+  >>> bool(jnp.abs(k_back - k[:2]).max() <= 0.5 / 127)     # half an int8 step (|k| <= 1)
+  True
   """
   num_blocks = V.check_cache(spec, cache, layer)
   slot_mapping = V.check_slots(slot_mapping, num_blocks * spec.block_size)
@@ -53,13 +75,24 @@ def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl
             interpret=None, layer=None):
   """Dequantized K and V of the given slots: two float32 ``[len(slots), H, D]`` arrays.
 
-  slots: int ``[T]`` in ``[0, num_blocks * block_size)``: checked when concrete
-  (ValueError); traced slots outside that range read as NaN rows.
-  layer: with a layered cache (``spec.physical_shape(B, L)``), the layer read (a Python int
-  or an int32 scalar; traced outside ``[0, L)``: NaN rows); slots are that layer's.
-  ``impl`` / ``interpret`` pick the dequantize step from ``kvjax.registry.READ`` (as
-  :func:`write_kv` does): the pages of the slots are gathered, dequantized, and each slot's
-  row taken (and un-rotated, for a format that stores rotated rows).
+  Args:
+    cache: the spec's physical array; spec: its :class:`kvjax.KVCacheSpec`.
+    slots: int ``[T]`` in ``[0, num_blocks * block_size)`` (``page * block_size + offset``):
+      checked when concrete (ValueError); traced slots outside that range read as NaN rows.
+    k_scale, v_scale: the global scales the cache was written with (see :func:`write_kv`).
+    impl, interpret: pick the dequantize step from ``kvjax.registry.READ`` (as
+      :func:`write_kv` does): the pages of the slots are gathered, dequantized, and each
+      slot's row taken (and un-rotated, for a format that stores rotated rows).
+    layer: with a layered cache (``spec.physical_shape(B, L)``), the layer read (a Python
+      int or an int32 scalar; traced outside ``[0, L)``: NaN rows); slots are that layer's.
+
+  >>> import jax.numpy as jnp, kvjax
+  >>> spec = kvjax.KVCacheSpec(num_kv_heads=1, head_size=16, block_size=16, dtype=jnp.float32)
+  >>> k = jnp.arange(32.0).reshape(2, 1, 16)
+  >>> cache = kvjax.write_kv(spec.allocate(2), k, k + 100, [5, 20], spec)
+  >>> k_back, v_back = kvjax.read_kv(cache, spec, [20])
+  >>> k_back.shape, k_back[0, 0, :3].tolist(), v_back[0, 0, :3].tolist()
+  ((1, 1, 16), [16.0, 17.0, 18.0], [116.0, 117.0, 118.0])
   """
   num_blocks = V.check_cache(spec, cache, layer)
   num_slots = num_blocks * spec.block_size

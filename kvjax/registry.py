@@ -243,10 +243,14 @@ def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
   decide for "cpu", "gpu" or "tpu" instead of the default backend. ``call``: the shapes of an
   attention call (:class:`AttentionCall`), for the rules that depend on them. ``layered``:
   for a layered (cross-layer) cache with ``layer=`` (:mod:`kvjax.layers`). The returned
-  :class:`Choice` prints as a short report::
+  :class:`Choice` prints as a short report:
 
-    >>> print(kvjax.explain("attention", spec, platform="gpu"))
-    attention on gpu: pallas (compiled)
+  >>> import kvjax
+  >>> spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16)
+  >>> print(kvjax.explain("attention", spec, platform="gpu"))
+  attention on gpu: pallas (compiled)
+  >>> print(kvjax.explain("write", spec, platform="gpu", impl="reference"))
+  write on gpu: reference (compiled)
   """
   if op not in REGISTRIES:
     raise ValueError(f"op={op!r} must be one of {sorted(REGISTRIES)}")

@@ -99,9 +99,38 @@ class KVCacheSpec:
     num_kv_heads: H, KV heads on this device / tensor-parallel rank.
     head_size: D.
     block_size: N, tokens per page; a multiple of 16.
-    cache_dtype: a key of :data:`kvjax.formats.CACHE_FORMATS`.
-    layout: "NHD" (default) or "HND".
-    dtype: the model's K/V dtype (bfloat16, float16 or float32).
+    cache_dtype: a key of :data:`kvjax.formats.CACHE_FORMATS` ("auto" = the model dtype,
+      "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
+      "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "nvfp4").
+    layout: "NHD" (default) or "HND" (nvfp4: HND only): the order the physical array
+      stores a page's tokens and heads in.
+    dtype: the model's K/V dtype (bfloat16, float16 or float32), stored as a numpy dtype.
+
+  Derived (properties and methods):
+    format: the cache dtype's :class:`kvjax.formats.CacheFormat` (table row); codec: its
+      :class:`kvjax.codecs.Codec`.
+    storage_dtype / itemsize: numpy dtype / bytes per element of the cache array.
+    content_dim: C, the last logical dim: ``2 * padded_head_size`` (K then V), or
+      ``D/2 + D/16`` for nvfp4.
+    data_dim / padded_head_size: storage elements of data / of data plus scale slot in one
+      side row (per-token-head formats: D (D/2 for int4) + 4 bytes of float32 scale).
+    head_slots: the logical head axis, H (2H for nvfp4: K heads, then V heads).
+    page_bytes: bytes of one page of one layer.
+    logical_shape(B) / physical_shape(B): vLLM's ``(B, H, N, C)`` / the array's shape.
+    stride_order(): the logical dim at each physical position (NHD ``(0, 2, 1, 3)``, HND
+      identity); logical_strides(B): element strides of the logical view.
+    kv_view_geometry, scale_view_geometry, nvfp4_split_geometry: vLLM's strided views.
+    allocate(B): a new zeroed cache; num_blocks_of(cache): B, after checking the array.
+
+  >>> import jax.numpy as jnp
+  >>> spec = KVCacheSpec(num_kv_heads=8, head_size=128, block_size=16)
+  >>> spec.logical_shape(100), spec.physical_shape(100), spec.stride_order()
+  ((100, 8, 16, 256), (100, 16, 8, 256), (0, 2, 1, 3))
+  >>> spec.storage_dtype, spec.content_dim, spec.page_bytes
+  (dtype(bfloat16), 256, 65536)
+  >>> q8 = KVCacheSpec(8, 128, 16, cache_dtype="int8_per_token_head", layout="HND")
+  >>> q8.physical_shape(100), q8.storage_dtype, q8.padded_head_size
+  ((100, 8, 16, 264), dtype('int8'), 132)
   """
   num_kv_heads: int
   head_size: int
@@ -131,6 +160,7 @@ class KVCacheSpec:
   # -- formats ---------------------------------------------------------------------------
   @property
   def format(self) -> F.CacheFormat:
+    """The cache dtype's :class:`kvjax.formats.CacheFormat` (its row of the format table)."""
     return F.get_format(self.cache_dtype)
 
   @property
@@ -140,6 +170,7 @@ class KVCacheSpec:
 
   @property
   def itemsize(self) -> int:
+    """Bytes per element of the cache array (of :attr:`storage_dtype`)."""
     return self.storage_dtype.itemsize
 
   @property
@@ -164,11 +195,16 @@ class KVCacheSpec:
 
   # -- shapes ----------------------------------------------------------------------------
   def logical_shape(self, num_blocks: int, num_layers: Optional[int] = None) -> Tuple[int, ...]:
+    """vLLM's logical shape ``(B, H, N, C)`` (``(B, 2H, N, D/2 + D/16)`` for nvfp4), with a
+    leading ``num_layers`` dim when given."""
     shape = get_kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size,
                                self.cache_dtype)
     return shape if num_layers is None else (_check_positive_int("num_layers", num_layers),) + shape
 
   def stride_order(self, include_num_layers_dimension: bool = False) -> Tuple[int, ...]:
+    """``stride_order[i]`` = the logical dim stored at physical position i: NHD
+    ``(0, 2, 1, 3)``, HND ``(0, 1, 2, 3)`` (with the layers dim: ``(1, 0, 3, 2, 4)`` /
+    ``(1, 2, 0, 3, 4)``, the layers dim right after the block dim)."""
     return get_kv_cache_stride_order(self.layout, include_num_layers_dimension)
 
   def physical_shape(self, num_blocks: int, num_layers: Optional[int] = None) -> Tuple[int, ...]:
@@ -178,6 +214,8 @@ class KVCacheSpec:
 
   @property
   def content_dim(self) -> int:
+    """C, the last dim: K's side row then V's (``2 * padded_head_size``); nvfp4: one side's
+    row of ``D/2`` data bytes and ``D/16`` scale bytes."""
     return self.logical_shape(1)[-1]
 
   @property
@@ -245,8 +283,17 @@ class KVCacheSpec:
                fill=0) -> jax.Array:
     """A new physical cache array filled with ``fill`` (zeros by default).
 
-    Shape :meth:`physical_shape`, dtype :attr:`storage_dtype`. With ``sharding``
-    (e.g. a ``NamedSharding`` over a ``tp`` mesh axis) it is created sharded.
+    Shape :meth:`physical_shape`, dtype :attr:`storage_dtype`. With ``num_layers``, one
+    array for all layers, the layers dim right after the block dim (:meth:`stride_order`).
+    With ``sharding`` (e.g. ``kvjax.cache_sharding(mesh, spec)``, a ``NamedSharding`` over a
+    ``tp`` mesh axis) it is created sharded.
+
+    >>> spec = KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16)
+    >>> cache = spec.allocate(8)
+    >>> cache.shape, cache.dtype, spec.num_blocks_of(cache)
+    ((8, 16, 2, 128), dtype(bfloat16), 8)
+    >>> spec.allocate(8, num_layers=4).shape
+    (8, 4, 16, 2, 128)
     """
     shape = self.physical_shape(num_blocks, num_layers)
     make = lambda: jnp.full(shape, fill, self.storage_dtype)
@@ -298,6 +345,11 @@ class MLACacheSpec:
   """MLA's latent cache: one ``(B, N, D_latent)`` array per layer, model dtype, no heads.
 
   Frozen, hashable and a static pytree node, like :class:`KVCacheSpec`.
+
+  Attributes:
+    latent_dim: D_latent (576 for DeepSeek's compressed KV + rope dims).
+    block_size: N, tokens per page; a multiple of 16.
+    dtype: the model dtype, stored as a numpy dtype.
   """
   latent_dim: int = 576
   block_size: int = 16
@@ -308,13 +360,16 @@ class MLACacheSpec:
     object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
   def physical_shape(self, num_blocks: int) -> Tuple[int, int, int]:
+    """``(B, N, D_latent)``; the logical shape is the same."""
     return get_mla_kv_cache_shape(num_blocks, self.block_size, self.latent_dim)
 
   logical_shape = physical_shape
 
   @property
   def page_bytes(self) -> int:
+    """Bytes of one page of one layer."""
     return self.block_size * self.latent_dim * self.dtype.itemsize
 
   def allocate(self, num_blocks: int, *, fill=0) -> jax.Array:
+    """A new ``(B, N, D_latent)`` cache of the model dtype filled with ``fill``."""
     return jnp.full(self.physical_shape(num_blocks), fill, self.dtype)

@@ -22,7 +22,8 @@ import os
 import sys
 
 if __name__ == "__main__":  # as a process: 8 CPU devices (imported by the test: its setup)
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  from xla_cpu import with_fast_compiles
+  os.environ["XLA_FLAGS"] = with_fast_compiles("--xla_force_host_platform_device_count=8")
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402

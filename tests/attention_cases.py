@@ -2,8 +2,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-import kvjax
-from kv_testing import nan_cache, random_kv
+from kv_testing import jit_reference_read, jit_reference_write, nan_cache, random_kv
 
 
 def build_batch(rng, spec, q_lens, prefix_lens, num_q_heads, pad_tokens=0, k_scale=None,
@@ -32,10 +31,8 @@ def build_batch(rng, spec, q_lens, prefix_lens, num_q_heads, pad_tokens=0, k_sca
   # Unwritten slots hold NaN-ish garbage: masked keys must never reach the output.
   cache = nan_cache(spec, num_blocks)
   key, value = random_kv(rng, spec, len(slots))
-  cache = kvjax.write_kv(cache, key, value, jnp.asarray(slots), spec, k_scale=k_scale,
-                         v_scale=v_scale, impl="reference")
-  k, v = kvjax.read_kv(cache, spec, jnp.asarray(slots), k_scale=k_scale, v_scale=v_scale,
-                       impl="reference")
+  cache = jit_reference_write(cache, key, value, jnp.asarray(slots), spec, k_scale, v_scale)
+  k, v = jit_reference_read(cache, spec, jnp.asarray(slots), k_scale, v_scale)
   qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   t = int(qsl[-1]) + pad_tokens
   q = jnp.asarray(rng.standard_normal((t, num_q_heads, spec.head_size)).astype(np.float32),

@@ -54,19 +54,46 @@ def _schedule(rng, steps):
   return out
 
 
-def test_mixed_schedule_compiles_a_bounded_number_of_programs(rng):
+def _run_step(rng, impl, kv_cache, step, tables):
+  """One step (request id, cached tokens, new tokens) through the adapter, padded to a graph
+  size; returns (real tokens, T, block table width, metadata, q, output)."""
+  n = sum(new for _, _, new in step)
+  t = min(s for s in GRAPH_SIZES if s >= n)
+  width = max(len(tables[rid]) for rid, _, _ in step)
+  table = np.array([tables[r] + [0] * (width - len(tables[r])) for r, _, _ in step], np.int32)
+  slot = lambda r, p: tables[r][p // N] * N + p % N
+  slots = np.array([slot(r, p) for r, c, new in step for p in range(c, c + new)], np.int64)
+  qsl = np.concatenate([[0], np.cumsum([new for _, _, new in step])]).astype(np.int32)
+  seq_lens = np.array([c + new for _, c, new in step], np.int32)
+  md = va.KVJaxAttentionMetadata(
+      torch.from_numpy(qsl), torch.from_numpy(seq_lens), torch.from_numpy(table),
+      torch.from_numpy(slots), max_query_len=int(np.diff(qsl).max()),
+      max_seq_len=int(seq_lens.max()), num_actual_tokens=n)
+  key, value = rand_bf16(rng, (t, H, D)), rand_bf16(rng, (t, H, D))
+  impl.do_kv_cache_update(_Layer(), key, value, kv_cache, md.slot_mapping)
+  q = rand_bf16(rng, (t, HQ, D))
+  out = torch.zeros(t, HQ, D, dtype=torch.bfloat16)
+  impl.forward(_Layer(), q, key, value, kv_cache, md, output=out)
+  return n, t, width, md, q, out
+
+
+@pytest.mark.parametrize("num_steps", [30, pytest.param(200, marks=pytest.mark.slow)])
+def test_mixed_schedule_compiles_a_bounded_number_of_programs(rng, num_steps):
+  """A random serving schedule through the vLLM adapter: each op compiles once per bucketed
+  shape (30 steps: ~22 programs; the slow tier's 200 steps: ~50), within the O(log) bound,
+  and a few steps equal the reference."""
   impl = va.KVJaxAttentionImpl(HQ, D, D ** -0.5, H, None, None, "auto")
   backend = tb.PagedAttentionBackend(HQ, H, D, N)
   spec = backend.spec
   kv_cache = backend.allocate_kv_cache(B)
   poison(rng, kv_cache, spec)
-  steps = _schedule(rng, 200)
+  steps = _schedule(rng, num_steps)
   free = list(rng.permutation(B))
   tables = {}
   compiles, seen = [], set()
   listener = lambda event, secs, **kw: compiles.append(event) if event == COMPILE else None
   jax.monitoring.register_event_duration_secs_listener(listener)
-  checked = 0
+  checked, every = 0, num_steps // 5
   try:
     for i, (step, done) in enumerate(steps):
       if not step:
@@ -76,29 +103,14 @@ def test_mixed_schedule_compiles_a_bounded_number_of_programs(rng):
         tables.setdefault(rid, [])
         while len(tables[rid]) < need:
           tables[rid].append(free.pop())
-      n = sum(new for _, _, new in step)
-      t = min(s for s in GRAPH_SIZES if s >= n)
-      width = max(len(tables[rid]) for rid, _, _ in step)
-      table = np.array([tables[r] + [0] * (width - len(tables[r])) for r, _, _ in step], np.int32)
-      slot = lambda r, p: tables[r][p // N] * N + p % N
-      slots = np.array([slot(r, p) for r, c, new in step for p in range(c, c + new)], np.int64)
-      qsl = np.concatenate([[0], np.cumsum([new for _, _, new in step])]).astype(np.int32)
-      seq_lens = np.array([c + new for _, c, new in step], np.int32)
-      md = va.KVJaxAttentionMetadata(
-          torch.from_numpy(qsl), torch.from_numpy(seq_lens), torch.from_numpy(table),
-          torch.from_numpy(slots), max_query_len=int(np.diff(qsl).max()),
-          max_seq_len=int(seq_lens.max()), num_actual_tokens=n)
-      key, value = rand_bf16(rng, (t, H, D)), rand_bf16(rng, (t, H, D))
-      impl.do_kv_cache_update(_Layer(), key, value, kv_cache, md.slot_mapping)
-      q = rand_bf16(rng, (t, HQ, D))
-      out = torch.zeros(t, HQ, D, dtype=torch.bfloat16)
-      impl.forward(_Layer(), q, key, value, kv_cache, md, output=out)
+      n, t, width, md, q, out = _run_step(rng, impl, kv_cache, step, tables)
       seen.add((t, len(step), width, jitted.query_len_bucket(md.max_query_len, t)))
-      if i % 40 == 7:          # a few steps against the reference (compiled outside the count)
+      if i % every == every // 2:    # 5 steps against the reference (compiled outside the count)
         jax.monitoring.unregister_event_duration_listener(listener)
         ref = kvjax.reference.unified_attention(
-            to_jnp(q[:n]), cache_array(kv_cache, spec), spec, query_start_loc=jnp.asarray(qsl),
-            seq_lens=jnp.asarray(seq_lens), block_table=jnp.asarray(table), scale=D ** -0.5)
+            to_jnp(q[:n]), cache_array(kv_cache, spec), spec,
+            **{k: jnp.asarray(getattr(md, k).numpy())
+               for k in ("query_start_loc", "seq_lens", "block_table")}, scale=D ** -0.5)
         ref = np.asarray(ref.astype(jnp.float32))
         got = out[:n].float().numpy()
         assert (np.abs(got - ref) <= 2.0 ** -7 * np.abs(ref).max(-1, keepdims=True) + 1e-6).all()
@@ -106,6 +118,15 @@ def test_mixed_schedule_compiles_a_bounded_number_of_programs(rng):
         jax.monitoring.register_event_duration_secs_listener(listener)
       for rid in done:
         free += tables.pop(rid)
+    # Bucketing merges shapes: decodes of 5 and then 6 sequences (T = 8) share one bucket
+    # (S -> 7), so the second step compiles nothing.
+    fresh = backend.allocate_kv_cache(B)
+    for num_seqs in (5, 6):
+      before = len(compiles)
+      step = [(rid, 0, 1) for rid in range(num_seqs)]
+      _, t, width, md, _, _ = _run_step(rng, impl, fresh, step, {r: [r] for r in range(6)})
+      seen.add((t, num_seqs, width, jitted.query_len_bucket(md.max_query_len, t)))
+    assert len(compiles) == before, "a step of the same bucket compiled again"
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
   sizes = {k[0] for k in seen}
@@ -118,7 +139,7 @@ def test_mixed_schedule_compiles_a_bounded_number_of_programs(rng):
   widest = max(k[2] for k in seen)
   bound = sum(1 + (t.bit_length() + 1) * widest.bit_length() * (t.bit_length() + 1)
               for t in sizes)
-  print(f"200-step schedule: {len(compiles)} compiles = {len(sizes)} writes + "
+  print(f"{num_steps}-step schedule: {len(compiles)} compiles = {len(sizes)} writes + "
         f"{len(bucketed)} attention programs ({len(seen)} (T, S, width, query bucket) "
         f"combinations unbucketed; O(log) bound {bound})")
   assert len(compiles) <= len(sizes) + len(bucketed) <= bound

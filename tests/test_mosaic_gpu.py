@@ -97,8 +97,8 @@ def test_tile_metadata_covers_every_token_once(rng, bq):
     if t == 0:
       continue
     num_tiles = TL.num_tiles_bound(t, len(q_lens), bq)
-    meta = np.asarray(TL.tile_metadata(jnp.asarray(qsl), jnp.asarray(seq_lens), 9, t,
-                                       num_tiles, bq))
+    meta = np.asarray(jax.jit(TL.tile_metadata, static_argnums=(2, 3, 4, 5))(   # one compile
+        jnp.asarray(qsl), jnp.asarray(seq_lens), 9, t, num_tiles, bq))
     assert meta.shape == (TL.META_ROWS, num_tiles)
     owner = -np.ones(t, np.int64)
     for j in range(num_tiles):
@@ -161,8 +161,18 @@ LOWER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("pv", TL.PV_VARIANTS)
-@pytest.mark.parametrize("layout,group,head_size,num_tokens,max_query_len,kw", LOWER_CASES)
+def _lower_params():
+  """Every P.V variant on the first case, the default one on every case; the other
+  (case, variant) pairs in the slow tier (each lowering costs ~2 s of CPU)."""
+  for i, case in enumerate(LOWER_CASES):
+    for pv in TL.PV_VARIANTS:
+      slow = i > 0 and pv != TL.DEFAULT_PV
+      yield pytest.param(*case, pv, id=f"{case[0]}-G{case[1]}-D{case[2]}-T{case[3]}-{pv}",
+                         marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("layout,group,head_size,num_tokens,max_query_len,kw,pv",
+                         list(_lower_params()))
 def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max_query_len, kw,
                                        pv):
   spec = kvjax.KVCacheSpec(2, head_size, 16, layout=layout, dtype=jnp.bfloat16)

@@ -18,6 +18,7 @@ import pytest
 
 import kvjax
 from attention_cases import build_batch, numpy_attention
+from kv_testing import jit_reference_write
 from op_suite import (TOY_BACKEND, implementations, known_gap, run_mode,  # noqa: F401
                       toy_format)
 from toy_format import TOY
@@ -154,8 +155,8 @@ def _full_cache(rng, spec, num_blocks):
   t = num_blocks * spec.block_size
   k, v = (jnp.asarray(rng.standard_normal((t, spec.num_kv_heads, spec.head_size)), spec.dtype)
           for _ in range(2))
-  return kvjax.write_kv(spec.allocate(num_blocks), k, v, jnp.arange(t, dtype=jnp.int32), spec,
-                        impl="reference")
+  return jit_reference_write(spec.allocate(num_blocks), k, v, jnp.arange(t, dtype=jnp.int32),
+                             spec)
 
 
 # (query_start_loc, seq_lens, block-table fill, max_query_len): T = 6, S = 4 (decode: T = S)

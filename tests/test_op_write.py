@@ -171,6 +171,7 @@ def test_untouched_nan_payloads_keep_their_bits(rng, impl, cache_dtype, jitted):
   assert not np.array_equal(rows[[20, 5]], raw.reshape(3 * 16, -1)[[20, 5]])
 
 
+@pytest.mark.slow        # the fast tier has it in test_edges.py (reference and Pallas, eager and jit)
 @pytest.mark.parametrize("impl", implementations("write"))
 def test_int4_rows_at_the_rotation_limit_round_trip_finite(rng, impl):
   """Rows whose magnitudes sum to 2**126 (+-2e36 values at D = 64: the rotation adds D values,

@@ -1,4 +1,5 @@
 """Quantization formulas (docs/layout.md §5): the worked examples and independent numpy oracles."""
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -9,6 +10,13 @@ from kvjax import quant
 
 INT8 = F.get_format("int8_per_token_head")
 FP8 = F.get_format("fp8_per_token_head")
+
+# The nvfp4 / e2m1 formulas run jitted here: eagerly each of their jnp ops compiles on its own
+# for every new shape (seconds per test); test_eager_and_jit_store_the_same_bits checks that
+# eager and jit store the same bits. (Not int4: under jit XLA may contract its scale
+# hi * (1/15) - lo * (1/15) into an fma, one ulp off the numpy oracle below.)
+quantize_nvfp4, dequantize_nvfp4 = jax.jit(quant.quantize_nvfp4), jax.jit(quant.dequantize_nvfp4)
+e2m1_encode, e2m1_decode = jax.jit(quant.e2m1_encode), jax.jit(quant.e2m1_decode)
 
 
 def test_int8_worked_example():
@@ -126,11 +134,11 @@ def test_fp8_per_tensor_saturates(rng):
 def test_e2m1_grid_and_ties():
   vals = np.array([0, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, 100, -0.75, -6, -7],
                   np.float32)
-  codes = np.asarray(quant.e2m1_encode(jnp.asarray(vals)))
-  decoded = np.asarray(quant.e2m1_decode(jnp.asarray(codes)))
+  codes = np.asarray(e2m1_encode(jnp.asarray(vals)))
+  decoded = np.asarray(e2m1_decode(jnp.asarray(codes)))
   np.testing.assert_array_equal(decoded, [0, 0, 0.5, 1, 1, 2, 2, 4, 4, 6, 6, -1, -6, -6])
   all_codes = jnp.arange(16, dtype=jnp.uint8)
-  np.testing.assert_array_equal(np.asarray(quant.e2m1_encode(quant.e2m1_decode(all_codes)))[:8],
+  np.testing.assert_array_equal(np.asarray(e2m1_encode(e2m1_decode(all_codes)))[:8],
                                 np.arange(8))
 
 
@@ -154,11 +162,11 @@ def _nvfp4_numpy(x, global_scale):
 
 def test_nvfp4_matches_numpy(rng):
   x = (rng.standard_normal((16, 2, 64)) * rng.uniform(0.1, 20, (16, 2, 1))).astype(np.float32)
-  packed, sf = quant.quantize_nvfp4(jnp.asarray(x), 0.25)
+  packed, sf = quantize_nvfp4(jnp.asarray(x), 0.25)
   p_np, sf_np = _nvfp4_numpy(x, 0.25)
   np.testing.assert_array_equal(np.asarray(sf).view(np.uint8), sf_np.view(np.uint8))
   np.testing.assert_array_equal(np.asarray(packed), p_np)
-  back = np.asarray(quant.dequantize_nvfp4(packed, sf, 0.25))
+  back = np.asarray(dequantize_nvfp4(packed, sf, 0.25))
   group_max = np.abs(x.reshape(16, 2, 4, 16)).max(-1, keepdims=True)
   err = np.abs(back - x).reshape(16, 2, 4, 16)
   assert np.all(err <= group_max * 0.25 + 1e-6)   # half of e2m1's widest step (2 of 6) + e4m3
@@ -177,7 +185,6 @@ def test_v_swizzle_is_a_permutation_and_matches_formula():
                                   "int4_per_token_head"])
 def test_eager_and_jit_store_the_same_bits(rng, name):
   """The written-out reciprocal forms leave XLA nothing to rewrite: eager == jit, bit for bit."""
-  import jax
   fmt = F.get_format(name)
   x = jnp.asarray((rng.standard_normal((64, 4, 64)) * rng.uniform(0.01, 30, (64, 4, 1)))
                   .astype(np.float32))
@@ -199,9 +206,9 @@ def test_nvfp4_flushes_tiny_groups_without_a_global_scale():
   x = np.zeros((2, 16), np.float32)
   x[0, :] = np.linspace(-0.0055, 0.0055, 16)
   x[1, :] = np.linspace(-0.0062, 0.0062, 16)
-  packed, sf = quant.quantize_nvfp4(jnp.asarray(x), None)
-  back = np.asarray(quant.dequantize_nvfp4(packed, sf, None))
+  packed, sf = quantize_nvfp4(jnp.asarray(x), None)
+  back = np.asarray(dequantize_nvfp4(packed, sf, None))
   assert not back[0].any() and np.abs(back[1]).max() > 0
-  packed, sf = quant.quantize_nvfp4(jnp.asarray(x), 0.001)
-  back = np.asarray(quant.dequantize_nvfp4(packed, sf, 0.001))
+  packed, sf = quantize_nvfp4(jnp.asarray(x), 0.001)
+  back = np.asarray(dequantize_nvfp4(packed, sf, 0.001))
   assert np.all(np.abs(back - x) <= np.abs(x).max(-1, keepdims=True) * 0.25 + 1e-9)

@@ -10,6 +10,8 @@ reference reads a clean copy holding the same tokens (it would propagate NaN fro
 masked keys through 0 * NaN). Everything runs under ``jax.jit`` with traced
 ``seq_lens`` / ``block_table``.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ from kvjax import formats as F
 from kvjax.reference import unified_attention as ref_attention
 from pallas_kernels.triton.decode import paged_decode_attention
 from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits
+from kv_testing import jit_reference_write
 
 
 def _poisoned(rng, spec, num_blocks):
@@ -39,19 +42,18 @@ def _problem(rng, spec, lens, g, k_scale=None, v_scale=None):
   b = s * m + 2
   poison, clean = _poisoned(rng, spec, b), spec.allocate(b)
   table = rng.permutation(b)[: s * m].reshape(s, m)
+  slots = []
   for i, ln in enumerate(lens):
     used = -(-ln // n)
     # unused entries: poisoned blocks, or out of range (must never be read)
     table[i, used:] = rng.choice([0, b - 1, b + 7, -3], m - used)
-    if ln == 0:
-      continue
-    x = rng.standard_normal((2, ln, spec.num_kv_heads, spec.head_size)).astype(np.float32)
-    x *= np.exp(rng.uniform(-1, 1, (2, ln, spec.num_kv_heads, 1)))
-    k, v = (jnp.asarray(t).astype(spec.dtype) for t in x)
-    slots = jnp.asarray([table[i, p // n] * n + p % n for p in range(ln)], jnp.int32)
-    kw = dict(k_scale=k_scale, v_scale=v_scale, impl="reference")
-    clean = kvjax.write_kv(clean, k, v, slots, spec, **kw)
-    poison = kvjax.write_kv(poison, k, v, slots, spec, **kw)
+    slots += [table[i, p // n] * n + p % n for p in range(ln)]
+  x = rng.standard_normal((2, len(slots), spec.num_kv_heads, spec.head_size)).astype(np.float32)
+  x *= np.exp(rng.uniform(-1, 1, (2, len(slots), spec.num_kv_heads, 1)))
+  k, v = (jnp.asarray(t).astype(spec.dtype) for t in x)
+  slots = jnp.asarray(slots, jnp.int32)
+  clean = jit_reference_write(clean, k, v, slots, spec, k_scale, v_scale)
+  poison = jit_reference_write(poison, k, v, slots, spec, k_scale, v_scale)
   q = jnp.asarray(rng.standard_normal((s, spec.num_kv_heads * g, spec.head_size)), spec.dtype)
   return q, poison, clean, jnp.asarray(lens, jnp.int32), jnp.asarray(table, jnp.int32)
 
@@ -72,9 +74,10 @@ def _run(rng, cache_dtype, layout="NHD", *, h=2, g=4, d=64, n=16, lens=(1, 21, 7
 
   out = ours(q, poison, sl, bt, sk, k_scale, v_scale)
   assert out.shape == q.shape and out.dtype == q.dtype
-  ref = ref_attention(q, clean, spec, query_start_loc=jnp.arange(len(lens) + 1, dtype=jnp.int32),
-                      seq_lens=sl, block_table=jnp.clip(bt, 0, clean.shape[0] - 1), sinks=sk,
-                      k_scale=k_scale, v_scale=v_scale, **kw)
+  ref = jax.jit(functools.partial(ref_attention, spec=spec, **kw))(   # jitted: one compile
+      q, clean, query_start_loc=jnp.arange(len(lens) + 1, dtype=jnp.int32), seq_lens=sl,
+      block_table=jnp.clip(bt, 0, clean.shape[0] - 1), sinks=sk, k_scale=k_scale,
+      v_scale=v_scale)
   o = np.asarray(out.astype(jnp.float32))
   r = np.asarray(ref.astype(jnp.float32))
   assert np.isfinite(o).all(), "kernel output holds NaN/inf: it read a poisoned slot"

@@ -10,6 +10,7 @@ import pytest
 
 import kvjax
 from kvjax import KVCacheSpec, viz
+from kv_testing import jit_reference_write
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -74,7 +75,7 @@ def test_byte_map_agrees_with_write_kv(spec, rng):
   value = jnp.asarray(rng.uniform(0.5, 2.0, shape) * rng.choice([-1, 1], shape), spec.dtype)
   cache = spec.allocate(num_blocks)
   slot = jnp.asarray([block * spec.block_size + token], jnp.int32)
-  new = kvjax.write_kv(cache, key, value, slot, spec, impl="reference")
+  new = jit_reference_write(cache, key, value, slot, spec)
   page = np.asarray(new).view(np.uint8).reshape(num_blocks, -1)
   changed = np.nonzero(page[block])[0]
   m = viz.page_byte_map(spec)
