@@ -19,6 +19,7 @@ import torch
 import kvjax
 import torch_bridge as tb
 from kv_testing import poisoned_cache
+from torch_testing import assert_written_as_reference
 from torch_bridge import dtypes
 from torch_bridge import layout as L
 from torch_bridge import vllm_adapter as va
@@ -238,10 +239,12 @@ def test_ragged_step_matches_reference_and_padding_rows_untouched(rng, cache_dty
   key, value = _bf16(rng, (t, H, D)), _bf16(rng, (t, H, D), 2.0)
   before = _cache_bytes(kv_cache, spec)
   impl.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
-  np.testing.assert_array_equal(
-      _cache_bytes(kv_cache, spec),
-      _ref_write(before, key[:step_slots.size], value[:step_slots.size],
-                 torch.from_numpy(step_slots), spec, layer))
+  as_cache = lambda raw: raw.view(spec.storage_dtype).reshape(spec.physical_shape(B))
+  assert_written_as_reference(
+      as_cache(_cache_bytes(kv_cache, spec)),
+      as_cache(_ref_write(before, key[:step_slots.size], value[:step_slots.size],
+                          torch.from_numpy(step_slots), spec, layer)),
+      spec, step_slots)
 
   q = _bf16(rng, (t, HQ, D))
   out = _bf16(rng, (t, HQ * D), 5.0)          # vLLM's output buffer: [T, Hq*D], poisoned
