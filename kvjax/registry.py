@@ -247,8 +247,8 @@ def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
 
   >>> import kvjax
   >>> spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16)
-  >>> print(kvjax.explain("attention", spec, platform="gpu"))
-  attention on gpu: pallas (compiled)
+  >>> print(kvjax.explain("write", spec, platform="gpu"))
+  write on gpu: pallas (compiled)
   >>> print(kvjax.explain("write", spec, platform="gpu", impl="reference"))
   write on gpu: reference (compiled)
   """
