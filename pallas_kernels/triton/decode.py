@@ -20,6 +20,7 @@ import numpy as np
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from kvjax import quant
+from pallas_kernels.common import float32_words
 from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits, default_config
 from pallas_kernels.triton.decode_kernel import decode_call
 from pallas_kernels.triton.formats import TileFormat
@@ -38,12 +39,6 @@ def _kernel_scales(tf: TileFormat, k_scale, v_scale, scale=None):
   if scale is None:
     return ts
   return jnp.concatenate([ts, quant.per_head_scales(scale, tf.num_heads)[None]])
-
-
-def _scale_words(pages):
-  """One-byte pages ``[B, E]`` viewed as float32 words ``[B, E / 4]`` (a bitcast)."""
-  b, e = pages.shape
-  return jax.lax.bitcast_convert_type(pages.reshape(b, e // 4, 4), jnp.float32)
 
 
 def merge_splits(acc, m, l, sinks, num_groups: int):
@@ -111,7 +106,7 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
       q.reshape(s, h, g, d), seq_of_row, jnp.asarray(seq_lens, jnp.int32),
       jnp.asarray(block_table, jnp.int32),
       _kernel_scales(tf, k_scale, v_scale, None if static_scale is not None else scale),
-      sink_hg, pages, _scale_words(pages) if config.scale_words and tf.scale_words else None,
+      sink_hg, pages, float32_words(pages) if config.scale_words and tf.scale_words else None,
       tf=tf, config=config,
       num_splits=splits,
       scale=static_scale, window=None if sliding_window is None else int(sliding_window),

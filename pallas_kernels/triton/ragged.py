@@ -27,14 +27,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 from kvjax import plain_copy as PC
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
-from pallas_kernels.common import next_pow2
+from pallas_kernels.common import float32_words, next_pow2
 from pallas_kernels.triton import ragged_kernel
 from pallas_kernels.triton.decode import static_or_none
 from pallas_kernels.triton.formats import TileFormat
@@ -140,10 +139,7 @@ def _run(q, cache, query_start_loc, seq_lens, block_table, k_scale, v_scale, sin
     ks = jnp.concatenate([ks, jnp.asarray(scale, jnp.float32).reshape(1)])
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
-  words = None
-  if st.scale_words:        # a bitcast view, no copy (the decode kernel's too)
-    r, c = cache2d.shape
-    words = jax.lax.bitcast_convert_type(cache2d.reshape(r, c // 4, 4), jnp.float32)
+  words = float32_words(cache2d) if st.scale_words else None
   out = ragged_kernel.ragged_attention_call(
       q.reshape(t * hq, d), cache2d, meta, ks, vs, sk, jnp.zeros((t * hq, d), q.dtype),
       st=st, cfg=cfg, interpret=interpret, words=words)
