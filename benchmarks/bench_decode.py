@@ -261,22 +261,11 @@ def format_table(shapes, formats, interpret, geo, use_vllm):
           print(f"  {cd} {layout} {batch}x{ctx}: FAILED {type(e).__name__}: {str(e)[:300]}",
                 flush=True)
           continue
-        nbytes = batch * ctx * spec.page_bytes / spec.block_size
         r = {"kernel": "kvjax", "cache_dtype": cd, "layout": layout, "batch": batch,
-             "context": ctx, "us": round(ms * 1e3, 1),
-             "tb_per_s": round(nbytes / (ms * 1e-3) / 1e12, 3),
-             "tokens_per_s": round(batch / (ms * 1e-3)),
+             "context": ctx,
              "bytes_vs_bf16": round(spec.page_bytes / (2 * spec.block_size *
                                                        spec.num_kv_heads * 2 * spec.head_size), 3)}
-        if cd == "bfloat16":
-          base[layout] = r["tokens_per_s"]
-        if layout in base:
-          r["x_bf16"] = round(r["tokens_per_s"] / base[layout], 3)
-        if use_vllm and vllm_peer.supports(spec):
-          try:
-            r["vllm_us"] = round(SBS.time_vllm(spec, problem, 1, ctx) * 1e3, 1)
-          except Exception as e:  # noqa: BLE001
-            r["vllm_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        SBS.record_decode(r, spec, batch, ctx, ms, problem, base, use_vllm)
         del problem, cache
         print(f"  {cd:20s} {layout} {batch:4d}x{ctx:<6d} {r['us']:8.1f} us "
               f"{r['tb_per_s']:6.3f} TB/s x_bf16={r.get('x_bf16', '-')} "

@@ -122,6 +122,25 @@ def time_vllm(spec, problem, max_q, max_k):
   return best
 
 
+def record_decode(r, spec, batch, ctx, ms, problem, base, use_vllm):
+  """Fill a decode row ``r``: µs, TB/s of the format's own bytes, tokens/s (relative to the
+  bf16 row of the same layout, kept in ``base``), and vLLM's kernel on the same ``problem``
+  where it has the format."""
+  nbytes = batch * ctx * spec.page_bytes / spec.block_size
+  r.update(us=round(ms * 1e3, 1), tb_per_s=round(nbytes / (ms * 1e-3) / 1e12, 3),
+           tokens_per_s=round(batch / (ms * 1e-3)))
+  if spec.cache_dtype == "bfloat16":
+    base[spec.layout] = r["tokens_per_s"]
+  if spec.layout in base:
+    r["x_bf16"] = round(r["tokens_per_s"] / base[spec.layout], 3)
+  if use_vllm and vllm_peer.supports(spec):
+    try:
+      r["vllm_us"] = round(time_vllm(spec, problem, 1, ctx) * 1e3, 1)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+      r["vllm_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+  return r
+
+
 def decode_part(args, interpret):
   shapes = ((4, 64),) if args.smoke else DECODE_SHAPES
   geo = dict(num_kv_heads=2, head_size=64, block_size=16) if args.smoke else dict(
@@ -143,19 +162,7 @@ def decode_part(args, interpret):
           print(f"  {cd} {layout} {batch}x{ctx}: FAILED {type(e).__name__}: {str(e)[:400]}",
                 flush=True)
           continue
-        nbytes = batch * ctx * spec.page_bytes / spec.block_size
-        r.update(us=round(ms * 1e3, 1), tb_per_s=round(nbytes / (ms * 1e-3) / 1e12, 3),
-                 tokens_per_s=round(batch / (ms * 1e-3)))
-        if cd == "bfloat16":
-          base[layout] = r["tokens_per_s"]
-        if layout in base:
-          r["x_bf16"] = round(r["tokens_per_s"] / base[layout], 3)
-        if use_vllm and vllm_peer.supports(spec):
-          try:
-            vms = time_vllm(spec, problem, 1, ctx)
-            r["vllm_us"] = round(vms * 1e3, 1)
-          except Exception as e:  # noqa: BLE001
-            r["vllm_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        record_decode(r, spec, batch, ctx, ms, problem, base, use_vllm)
         del problem
         print(f"  decode {cd:20s} {layout} {batch:4d}x{ctx:<6d} {r['us']:9.1f} us "
               f"{r['tb_per_s']:6.3f} TB/s x_bf16={r.get('x_bf16', '-')} "
