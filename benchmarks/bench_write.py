@@ -199,7 +199,7 @@ def hlo_finding(spec, nb, t, interpret, log_dir):
   for name, donate in (("donated", (0,)), ("not_donated", ())):
     text = jax.jit(f, donate_argnums=donate).lower(cache, kv, kv, slots).compile().as_text()
     if log_dir:
-      with open(os.path.join(log_dir, f"hlo_write_{name}.txt"), "w") as fh:
+      with open(os.path.join(log_dir, f"hlo_write_{spec.cache_dtype}_{name}.txt"), "w") as fh:
         fh.write(text)
     lines = [ln.strip() for ln in text.splitlines()
              if re.search(r"\bcopy(-start|-done)?\(|\bcopy\b|memcpy", ln)]
@@ -283,14 +283,143 @@ def fill_cache(spec, num_blocks):
   return f()
 
 
+# -- 5. per-format table ----------------------------------------------------------------------
+#: (cache dtype, layout) rows of the per-format table: every format, both layouts where allowed.
+FORMAT_ROWS = [("auto", "NHD"), ("auto", "HND"), ("fp8", "NHD"), ("fp8", "HND"),
+               ("int8_per_token_head", "NHD"), ("int8_per_token_head", "HND"),
+               ("fp8_per_token_head", "NHD"), ("fp8_per_token_head", "HND"),
+               ("int4_per_token_head", "NHD"), ("int4_per_token_head", "HND"),
+               ("nvfp4", "HND")]
+#: Launch configurations tried per format (the best is reported; the default is marked).
+FORMAT_CONFIGS = [cu.WriteConfig(tb, w, pair_split=ps) for tb in (1, 2, 4, 8) for w in (2, 4)
+                  for ps in (True, False)]
+
+
+def moved_bytes(spec, t):
+  """(bytes written, bytes read) of writing ``t`` tokens: the format's rows, the bf16 K/V."""
+  return (t * spec.page_bytes // spec.block_size,
+          2 * t * spec.num_kv_heads * spec.head_size * np.dtype(spec.dtype).itemsize)
+
+
+def vllm_write_us(spec, t, rng):
+  """vLLM's cache writer for the format (microseconds, CUDA events) on the same problem, or
+  None where vLLM has no writer for it (nvfp4) or its kernels are absent."""
+  import vllm_peer
+  if not vllm_peer.available() or not vllm_peer.supports(spec):
+    return None
+  import torch
+  import torch_bridge as tb
+  from common import time_torch
+  nb = (2 * 2**30) // spec.page_bytes
+  cache_t = tb.to_torch(spec.allocate(nb), spec)
+  k, v = (torch.from_dlpack(x) for x in random_kv(rng, spec, t))
+  slots = torch.from_dlpack(page_slots(rng, spec, nb, t)).long()
+  ks = vs = None
+  if spec.format.has_tensor_scales:
+    ks = vs = 0.25
+  if spec.cache_dtype == "int4_per_token_head":   # its quantize-and-store kernel alone
+    fn = lambda: vllm_peer.write_int4_rotated(spec, cache_t, k, v, slots)
+  else:
+    fn = lambda: vllm_peer.write(spec, cache_t, k, v, slots, k_scale=ks, v_scale=vs)
+  return time_torch(fn) * 1e3
+
+
+def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm):
+  """Per format: best configuration's device time per write of ``t_tok`` tokens, rates, % of
+  the copy's read+written rate, and vLLM's writer on the same problem."""
+  rows = []
+  configs = FORMAT_CONFIGS[:2] if smoke else FORMAT_CONFIGS
+  for cd, layout in (FORMAT_ROWS[::4] if smoke else FORMAT_ROWS):
+    spec = KVCacheSpec(8, 128, 16, cd, layout)
+    nb = (2**22 if smoke else 2 * 2**30) // spec.page_bytes
+    cache = fill_cache(spec, nb)
+    inputs = make_inputs(rng, spec, nb, t_tok, 4)
+    wbytes, rbytes = moved_bytes(spec, t_tok)
+    default = cu.default_config(spec)
+    tried = []
+    splits = spec.cache_dtype in ("int4_per_token_head", "nvfp4")   # io.pairs users
+    for cfg in ([default] + [c for c in configs if c != default and (splits or c.pair_split
+                                                                    == default.pair_split)]):
+      try:
+        sec, cache = device_time_per_write(spec, cache, inputs, max(1, iters // 2),
+                                           max(2, trials - 2), interpret, cfg)
+      except Exception as e:   # noqa: BLE001
+        log(f"  {cd} {layout} {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}")
+        continue
+      tried.append((sec, cfg))
+    del cache, inputs
+    if not tried:
+      continue
+    best_sec, best_cfg = min(tried, key=lambda x: x[0])
+    default_sec = tried[0][0] if tried[0][1] == default else float("nan")
+    try:
+      vllm_us = None if (smoke or not with_vllm) else vllm_write_us(spec, t_tok, rng)
+    except Exception as e:   # noqa: BLE001
+      log(f"  vLLM writer {cd} {layout}: ERROR {type(e).__name__}: {str(e)[:200]}")
+      vllm_us = None
+    rw = (wbytes + rbytes) / best_sec
+    row = dict(cache_dtype=cd, layout=layout, us=best_sec * 1e6, default_us=default_sec * 1e6,
+               config=f"tb={best_cfg.tokens_per_program},w={best_cfg.num_warps}"
+               + (",split" if best_cfg.pair_split else ""),
+               written_mb=wbytes / 1e6, read_mb=rbytes / 1e6, rw_tbs=rw / 1e12,
+               pct_copy=100 * rw / (2 * crate), vllm_us=vllm_us)
+    rows.append(row)
+    log(f"  {cd:22s} {layout}: best {row['us']:6.1f} us ({row['config']}), default "
+        f"{row['default_us']:6.1f} us, r+w {row['rw_tbs']:.3f} TB/s = {row['pct_copy']:5.1f}% of "
+        f"copy; vLLM {'-' if vllm_us is None else f'{vllm_us:.1f} us'}")
+  return rows
+
+
+def format_table_md(rows, t_tok, crate):
+  lines = [f"{t_tok} tokens, H=8, D=128, N=16, random pages, 2 GB cache; % = (K/V bf16 read + "
+           f"format rows written) / s over the device copy's read+written rate "
+           f"({2 * crate / 1e12:.3f} TB/s); best of {len(FORMAT_CONFIGS)} launch configs "
+           "(default's time next to it); vLLM = its Triton writer on the same problem "
+           "(int4: its quantize-and-store kernel on pre-rotated rows).", "",
+           "| cache dtype | layout | µs (best) | config | µs (default) | written MB | "
+           "r+w TB/s | % of copy | vLLM µs | vs vLLM |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    v = r["vllm_us"]
+    vs = "-" if v is None else f"{v / r['us']:.2f}x"
+    lines.append(f"| {r['cache_dtype']} | {r['layout']} | {r['us']:.1f} | {r['config']} | "
+                 f"{r['default_us']:.1f} | {r['written_mb']:.1f} | {r['rw_tbs']:.3f} | "
+                 f"{r['pct_copy']:.1f} | {'-' if v is None else f'{v:.1f}'} | "
+                 f"{vs} |")
+  return lines
+
+
+def profile_once(cache_dtype, layout, t_tok):
+  """One warm compiled write loop of ``cache_dtype`` (for a profiler: the kernel is named
+  ``write_kv_<cache_dtype>_<layout>``)."""
+  spec = KVCacheSpec(8, 128, 16, cache_dtype, layout)
+  rng = np.random.default_rng(0)
+  nb = 2 * 2**30 // spec.page_bytes
+  cache = fill_cache(spec, nb)
+  inputs = make_inputs(rng, spec, nb, t_tok, 4)
+  sec, cache = device_time_per_write(spec, cache, inputs, 2, 2, False, None)
+  log(f"profile {cache_dtype} {layout}: {sec * 1e6:.1f} us per write")
+
+
 def main():
   warnings.filterwarnings("ignore", category=DeprecationWarning)
   ap = argparse.ArgumentParser()
   ap.add_argument("--smoke", action="store_true", help="tiny sizes, interpret mode (CPU)")
   ap.add_argument("--md", default=None, help="write the markdown report here")
   ap.add_argument("--log-dir", default=None)
+  ap.add_argument("--parts", default="checks,hlo,timing,formats",
+                  help="comma list of: checks, hlo, timing (bf16 cache sizes, nvfp4 configs), "
+                  "formats (the per-format table)")
+  ap.add_argument("--json", default=None, help="write the per-format table here")
+  ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's writers")
+  ap.add_argument("--profile", default=None, metavar="CACHE_DTYPE:LAYOUT",
+                  help="only run one warm compiled write loop of this format (for a profiler)")
   args = ap.parse_args()
   smoke = args.smoke
+  parts = set(args.parts.split(","))
+  if args.profile:
+    cd, _, layout = args.profile.partition(":")
+    profile_once(cd, layout or "NHD", 8192)
+    return
   interpret = smoke or jax.default_backend() == "cpu"
   rng = np.random.default_rng(0)
   if args.log_dir:
@@ -309,6 +438,8 @@ def main():
   # 1. correctness
   log("\n## 1. compiled kernel vs reference bytes (poisoned cache, 100 tokens + 5 pad slots)")
   base = CHECK_CASES[:4] + CHECK_CASES[-3:-1] if smoke else CHECK_CASES
+  if "checks" not in parts:
+    base = []
   strided = cu.WriteConfig(pair_split=False)
   cases = [(c, "", None) for c in base]
   cases += [(c, "strided pairs", strided) for c in base
@@ -330,8 +461,10 @@ def main():
           f"{res['write_cpu']}; dequant elems != views: device {res['deq_dev']}, CPU "
           f"{res['deq_cpu']}  ({res['bytes']} cache bytes, {time.perf_counter() - t0:.1f}s)")
     rows1.append((case, note, res))
+  conv, conv_ex = {}, []
   try:
-    conv, conv_ex = conversion_probe(interpret)
+    if "checks" in parts:
+      conv, conv_ex = conversion_probe(interpret)
     for name, (cdev, tri) in conv.items():
       log(f"  conversion {name}: XLA-device != XLA-CPU {cdev}, Triton != XLA-CPU {tri}")
     for ex in conv_ex:
@@ -344,8 +477,13 @@ def main():
   # 2. HLO
   log("\n## 2. HLO of the donated jitted write")
   hspec = KVCacheSpec(8, 128, 16, "auto", "NHD")
+  hlo = {}
   try:
-    hlo = hlo_finding(hspec, 64 if smoke else 4096, 64 if smoke else 1024, interpret, args.log_dir)
+    if "hlo" in parts:   # bf16 rows, and int4 rows stored as uint32 words (a bitcast view)
+      for hs in (hspec, KVCacheSpec(8, 128, 16, "int4_per_token_head", "NHD")):
+        found = hlo_finding(hs, 64 if smoke else 4096, 64 if smoke else 1024, interpret,
+                            args.log_dir)
+        hlo.update({f"{hs.cache_dtype} {k}": v for k, v in found.items()})
   except Exception as e:   # noqa: BLE001
     log(f"  HLO: ERROR {type(e).__name__}: {str(e)[:300]}")
     LOG.append(traceback.format_exc())
@@ -393,6 +531,8 @@ def main():
         f"{'split ' if cfg.pair_split else ''}{sec * 1e6:8.1f} us  written {wr / 1e12:.3f} TB/s  r+w {rw / 1e12:.3f} TB/s  "
         f"{pct:5.1f}% of copy ({'written' if base == 'w' else 'r+w'})")
 
+  if "timing" not in parts:
+    sizes, quant_runs = {}, []
   best = {}
   for name, nbytes in sizes.items():
     nb = nbytes // bspec.page_bytes
@@ -439,6 +579,17 @@ def main():
       record(qname, small, cfg, sec, qw, fp4_r, "rw")
     del cache, inputs
 
+  format_rows = []
+  if "formats" in parts:
+    log("\n## 5. per-format table")
+    format_rows = format_table(rng, crate, t_tok, iters, trials, interpret, smoke,
+                               not args.no_vllm)
+    if args.json:
+      import json
+      with open(args.json, "w") as fh:
+        json.dump(dict(date=date, versions=versions, copy_written_tbs=crate / 1e12,
+                       rows=format_rows), fh, indent=1)
+
   # summary
   lines = [f"# Cache write kernel (issue 4): {'SMOKE (CPU interpret, tiny sizes)' if smoke else 'H200'}",
            "", f"- command: `{cmd}`", f"- date: {date}", f"- device: {dev.device_kind} "
@@ -465,7 +616,7 @@ def main():
     for ex in conv_ex:
       lines.append(f"- subnormal code {ex[0]}: CPU {ex[1]!r}, XLA device {ex[2]!r}, "
                    f"Triton {ex[3]!r}")
-  lines += ["", "## 2. HLO of the donated jitted write (bf16 NHD cache)", ""]
+  lines += ["", "## 2. HLO of the donated jitted write (bf16 and int4 NHD caches)", ""]
   for name, (n_copy, n_cache_copy, alias, examples) in hlo.items():
     lines.append(f"- {name}: copy ops {n_copy}, of the cache shape {n_cache_copy}, "
                  f"input_output_alias: {alias}" + (f"; e.g. `{examples[0][:160]}`" if examples
@@ -483,6 +634,9 @@ def main():
   for row in table:
     lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]:.1f} | {row[4]:.3f} | "
                  f"{row[5]:.3f} | {row[6]:.1f} |")
+  if format_rows:
+    lines += ["", "## 5. Per format (device time per write, best launch config)", ""]
+    lines += format_table_md(format_rows, t_tok, crate)
   md = "\n".join(lines) + "\n"
   print("\n" + md)
   if args.md:

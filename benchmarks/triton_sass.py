@@ -722,8 +722,9 @@ def analyze(k: TritonKernelIR, work: str, a) -> Analysis:
     main = max(range(len(loops)),
                key=lambda j: (loops[j][2].by_group["MMA"], loops[j][2].total))
   by_line = []
-  if table is not None and main is not None:
-    start, end, _ = loops[main]
+  if table is not None:   # the main loop's lines; a kernel without loops: all of it
+    start, end = (loops[main][:2] if main is not None else
+                  (min(i.addr for i in instrs), max(i.addr for i in instrs)))
     per = collections.defaultdict(list)
     for i in instrs:
       if start <= i.addr <= end:
@@ -776,6 +777,7 @@ def print_report(call: KernelCall, an: Analysis, top: int, by_line: bool):
     print(f"   loop {j} [{start:#06x}, {end:#06x}]: {lm.total} instructions, "
           f"MMA {lm.by_group['MMA']}{mark}")
   if an.main_loop is None:
+    _print_by_line(an, top, by_line)
     return
   lm = an.loops[an.main_loop][2]
   per_tok = ""
@@ -788,8 +790,13 @@ def print_report(call: KernelCall, an: Analysis, top: int, by_line: bool):
         f"; LDSM {lm.count('LDSM')}")
   print(f"     {_short_groups(lm, 20)}")
   print(f"     top opcodes: " + ", ".join(f"{op} {n}" for op, n in lm.by_opcode.most_common(top)))
+  _print_by_line(an, top, by_line)
+
+
+def _print_by_line(an: Analysis, top: int, by_line: bool):
   if by_line and an.by_line:
-    print("   main loop by source line (instructions, top groups):")
+    print(f"   {'main loop' if an.main_loop is not None else 'kernel'} by source line "
+          "(instructions, top groups):")
     for chain, n, mix in an.by_line[:top]:
       where = " < ".join(f"{os.path.relpath(f, REPO)}:{ln}" for f, ln in chain[:3])
       print(f"     {n:5d}  {where or '(no location)'}")

@@ -37,6 +37,19 @@ def round_half_away_from_zero(v):
   return jnp.where(v < 0, -r, r)
 
 
+def round_clip_unsigned(v, hi: float, dtype=None, to_uint=None):
+  """``clip(round_half_away_from_zero(v), 0, hi)`` for an integer ``hi > 0``, as the cheaper
+  ``floor(clip(v + 0.5, 0, hi))``: the same bits (below zero both give 0; above it
+  :func:`round_half_away_from_zero` is ``floor(v + 0.5)``, and ``floor`` commutes with
+  clipping to integers). ``dtype``: an unsigned integer type to convert to (the conversion
+  truncates, which is the floor of a non-negative value), else float32. ``to_uint``: the
+  float32 -> uint32 truncating conversion to use (a kernel's one-instruction form)."""
+  c = jnp.clip(v + 0.5, 0.0, hi)
+  if dtype is None:
+    return jnp.floor(c)
+  return (c.astype(jnp.uint32) if to_uint is None else to_uint(c)).astype(dtype)
+
+
 def finite_max(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
@@ -146,16 +159,17 @@ def int4_scale(lo, hi):
 
 def int4_zero_point(lo, inv_scale):
   """``clamp(round(-min * (1/scale)), 0, 15)`` rounded half away from zero, float32."""
-  return jnp.clip(round_half_away_from_zero(-lo * inv_scale), 0.0, 15.0)
+  return round_clip_unsigned(-lo * inv_scale, 15.0)
 
 
-def int4_codes(x, inv_scale, zp):
-  """``clamp(round(x * (1/scale) + zp), 0, 15)`` rounded half away from zero, uint8.
+def int4_codes(x, inv_scale, zp, dtype=jnp.uint8, to_uint=None):
+  """``clamp(round(x * (1/scale) + zp), 0, 15)`` rounded half away from zero, as ``dtype``
+  (an unsigned integer type; ``to_uint`` as in :func:`round_clip_unsigned`).
 
   ``x * (1/scale) + zp`` is meant as one fused multiply-add: XLA contracts it under jit and
   Triton on the GPU (vLLM's writer and ours alike).
   """
-  return jnp.clip(round_half_away_from_zero(x * inv_scale + zp), 0.0, 15.0).astype(jnp.uint8)
+  return round_clip_unsigned(x * inv_scale + zp, 15.0, dtype, to_uint)
 
 
 def int4_pack_scale(scale, zp):

@@ -30,6 +30,17 @@ def f32_to_bytes(x):
   return ((bits[..., None] >> shifts) & _U32(0xFF)).astype(jnp.uint8)
 
 
+def pack_words(codes, bits: int):
+  """Unsigned codes ``[..., 32 // bits]`` of ``bits`` bits each -> uint32 words ``[...]``,
+  code ``i`` in bits ``[i * bits, (i + 1) * bits)``: the little-endian word the codes' bytes
+  make (bits 8: byte ``i`` of the word; bits 4: low nibble = even code)."""
+  shifts = jnp.arange(32 // bits, dtype=jnp.int32) * bits
+  # int32: Triton reduces signless integers only; the codes' bits never overlap, so the sum
+  # is their bitwise or, whatever the sign bit
+  placed = jax.lax.bitcast_convert_type(codes.astype(_U32), jnp.int32) << shifts
+  return jax.lax.bitcast_convert_type(jnp.sum(placed, axis=-1, dtype=jnp.int32), _U32)
+
+
 def f32_from_bytes(load_byte):
   """The float32 held little-endian in 4 one-byte elements; ``load_byte(i)`` loads byte ``i``
   (any integer dtype, any shape) and the result has its shape."""

@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 from kvjax import quant
 from kvjax.codecs import Codec, RowAddress
 from kvjax.codecs.nvfp4 import SideLayout
-from pallas_kernels.common import f32_from_bytes, f32_to_bytes, next_pow2
+from pallas_kernels.common import f32_from_bytes, f32_to_bytes, next_pow2, pack_words
 from pallas_kernels.triton.ieee import Divider
 
 _I32 = jnp.int32
@@ -214,9 +214,19 @@ class TileFormat:
     """float32 ``[2H]``: :meth:`tensor_scales` as the write kernel reads them."""
     return self.tensor_scales(k_scale, v_scale).reshape(-1)
 
+  #: Whether the write kernel stores this format as uint32 words (``write_table`` counts
+  #: words then): one-byte formats whose row segments all start at multiples of 4 bytes.
+  write_words: ClassVar[bool] = False
+
   def write_table(self, num_blocks: int):
-    """(rows, elements a row) of the table the write kernel stores into."""
-    return num_blocks * self.block_size * self.num_heads, self.addr.row_elems
+    """(rows, columns a row) of the table the write kernel stores into: storage elements,
+    or uint32 words with :attr:`write_words`."""
+    cols = self.addr.row_elems
+    return num_blocks * self.block_size * self.num_heads, cols // 4 if self.write_words else cols
+
+  def write_offset(self, elems: int) -> int:
+    """A row offset of ``elems`` storage elements in the write table's columns."""
+    return elems // 4 if self.write_words else elems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,8 +311,16 @@ class RowFormat(TileFormat):
     return tuple(out)
 
   # -- write: one (token, head) row per kernel row --------------------------------------------
+  @property
+  def write_words(self) -> bool:
+    """Per-token-head one-byte formats store words: 4 codes a word, the scale one word."""
+    return self.row_scaled and self.storage.itemsize == 1 and self.head_size % 4 == 0
+
   def encode_side(self, p, div: Divider, io, side: int, head):
-    """Quantize one side of the kernel's rows -> [(column offset, cols, mask, values)]."""
+    """Quantize one side of the kernel's rows -> [(column offset, cols, mask, values)]
+    (offsets and columns in the write table's units, values in its dtype)."""
+    if self.write_words:
+      return self._encode_words(div, io, side)
     d = self.head_size
     col, col_ld, cmask = io.cols(next_pow2(d), d)
     if not (self.tensor_scaled or self.row_scaled):
@@ -318,14 +336,28 @@ class RowFormat(TileFormat):
     return [(0, col, cmask, quant.from_bits(data, self.storage)),
             (self.data_dim, jnp.arange(4, dtype=_I32), None, sbytes)]
 
+  def _encode_words(self, div: Divider, io, side: int):
+    """:meth:`encode_side` as words: ``[D/4]`` words of 4 codes, then the scale's word."""
+    w = self.head_size // 4
+    col, _, cmask = io.cols(next_pow2(w), w)
+    x = io.groups(side, col.shape[0], 4, self.head_size)              # [rows, w, 4]
+    amax = jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1)
+    scale = quant.row_scale(amax, self.codec.qmax)
+    data = quant.quantize_scaled(x * div.recip(scale)[:, None, None], self.codec.quant,
+                                 self.codec.qmax)
+    words = pack_words(quant.to_bits(quant.from_bits(data, self.storage)), 8)
+    return [(0, col, cmask, words),
+            (w, jnp.arange(1, dtype=_I32), None, quant.to_bits(scale)[:, None])]
+
   def write_tokens(self, p, io, slot, head, valid):
     """Store the kernel rows' encoded (token, head) rows ``[K | V]`` at their slots."""
     div = Divider(p.compiled)
     row = jnp.where(valid, self.addr.row_of_slot(slot, head), p.num_rows)  # OOB when skipped
+    dtype = jnp.uint32 if self.write_words else self.storage
     for side in range(2):
-      base = side * self.v_offset
+      base = self.write_offset(side * self.v_offset)
       for off, col, cmask, val in self.encode_side(p, div, io, side, head):
-        io.store_rows(row, base + off + col, val.astype(self.storage), valid, cmask)
+        io.store_rows(row, base + off + col, val.astype(dtype), valid, cmask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,13 +400,33 @@ class Int4Format(RowFormat):
                        for c in quant.nibbles(x)))
     return tuple(out)
 
+  @property
+  def write_words(self) -> bool:
+    """Words of 8 codes (D a multiple of 8), the packed scale one word."""
+    return self.head_size % 8 == 0
+
+  def _encode_words(self, div: Divider, io, side: int):
+    w = self.head_size // 8                     # a power of two: D is one
+    x = io.groups(side, w, 8, self.head_size)   # [rows, w, 8]
+    lo = jnp.min(jnp.min(x, axis=2), axis=1)
+    hi = jnp.max(jnp.max(x, axis=2), axis=1)
+    scale = quant.int4_scale(lo, hi)
+    r = div.recip(scale)
+    zp = quant.int4_zero_point(lo, r)
+    codes = quant.int4_codes(x, r[:, None, None], zp[:, None, None], jnp.uint32, div.trunc_u32)
+    packed = quant.to_bits(quant.int4_pack_scale(scale, zp))
+    return [(0, jnp.arange(w, dtype=_I32), None, pack_words(codes, 4)),
+            (w, jnp.arange(1, dtype=_I32), None, packed[:, None])]
+
   def encode_side(self, p, div: Divider, io, side: int, head):
+    if self.write_words:
+      return self._encode_words(div, io, side)
     dh = self.data_dim                          # D/2 packed bytes
     dhp = next_pow2(dh)
     jcol, _, jmask = io.cols(dhp, dh)
     xe, xo = io.pairs(side, dhp, self.head_size)
-    lo = jnp.minimum(jnp.min(xe, axis=1), jnp.min(xo, axis=1))
-    hi = jnp.maximum(jnp.max(xe, axis=1), jnp.max(xo, axis=1))
+    lo = jnp.min(jnp.minimum(xe, xo), axis=1)     # one reduction each, not two
+    hi = jnp.max(jnp.maximum(xe, xo), axis=1)
     scale = quant.int4_scale(lo, hi)
     r = div.recip(scale)
     zp = quant.int4_zero_point(lo, r)

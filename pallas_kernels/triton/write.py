@@ -144,6 +144,21 @@ class _IO:
                                             jnp.broadcast_to(cols[None, :], shape)])
     return x.astype(dtype)
 
+  def groups(self, side: int, num_groups: int, size: int, num_cols: int):
+    """Source elements ``[rows, num_groups, size]`` (float32), element ``g * size + i`` of
+    each row at ``[:, g, i]``; columns past ``num_cols`` repeat the last one (harmless for
+    min / max / amax; their results are masked)."""
+    # iota along the last dim plus a multiple of size (not a reshaped iota): Triton then
+    # sees ``size`` contiguous elements and loads them as vectors
+    c = (jnp.arange(num_groups, dtype=_I32)[:, None] * size
+         + jnp.arange(size, dtype=_I32)[None, :])
+    if num_groups * size != num_cols:
+      c = jnp.minimum(c, num_cols - 1)
+    shape = (self.src_row.shape[0], num_groups, size)
+    x = pltriton.load(self.sources[side].at[jnp.broadcast_to(self.src_row[:, None, None], shape),
+                                            jnp.broadcast_to(c[None], shape)])
+    return x.astype(jnp.float32)
+
   def pairs(self, side: int, num_pairs: int, num_cols: int):
     """Even and odd elements ``[rows, num_pairs]`` (float32) of source rows with ``num_cols``
     valid columns; pairs past the end repeat the last pair (harmless for min / max / amax)."""
@@ -217,7 +232,11 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   v2 = value.reshape(value.shape[0] * h, d)
   slots = int32_slots(slot_mapping, p.num_slots)
   scales = fmt.write_scales(k_scale, v_scale)
-  table = cache.reshape(fmt.write_table(cache.shape[0]))
+  rows, cols = fmt.write_table(cache.shape[0])
+  if fmt.write_words:   # one-byte storage as uint32 words (a free bitcast)
+    table = jax.lax.bitcast_convert_type(quant.to_bits(cache).reshape(rows, cols, 4), jnp.uint32)
+  else:
+    table = cache.reshape(rows, cols)
   if interpret:     # interpret mode stores through XLA scatters: move bits, never floats
     table = quant.to_bits(table)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -236,4 +255,6 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
       name=f"write_kv_{spec.cache_dtype}_{spec.layout}",
       **extra,
   )(slots, k2, v2, scales, table)
-  return quant.from_bits(out, cache.dtype).reshape(cache.shape)
+  if fmt.write_words:
+    out = jax.lax.bitcast_convert_type(out, quant.bits_dtype(cache.dtype))
+  return quant.from_bits(out.reshape(cache.shape), cache.dtype)
