@@ -1,327 +1,359 @@
-"""Prefill benchmark of the ragged paged attention kernel (issue 3).
+"""Prefill benchmark: kvjax's paged attention kernels and dense peers, in one run.
 
-GPU (H200):  PYTHONUNBUFFERED=1 python benchmarks/bench_prefill.py [--md PATH]
-CPU smoke:   python benchmarks/bench_prefill.py --smoke
+GPU (H200, about 4 minutes):
+  PYTHONUNBUFFERED=1 python benchmarks/bench_prefill.py [--json PATH] [--md PATH]
+      [--parts checks,table,formats] [--layout NHD|HND] [--sweep [CONFIGS]]
+CPU smoke (interpret mode, < 1 minute):
+  python benchmarks/bench_prefill.py --smoke
 
-GPU mode:
-  1. compiled correctness of ours vs ``kvjax.reference.unified_attention`` on ragged mixes
-     (prefill + cached prefix + decode + padding), under jax.jit with traced metadata;
-  2. 4 x 4096 causal prefill (bf16, Hq=32, H=8, D=128, block 16) through the paged cache:
-     ours (Pallas Triton lowering; a sweep of tile configs, NHD and HND), torch SDPA
-     (FlashAttention, dense KV), JAX's Pallas ``mha`` (dense KV), cuDNN through
-     ``jax.nn.dot_product_attention`` (dense KV);
-  3. two serving-like mixes (chunked prefill on a cached prefix; prefill + many decodes).
-Causal FLOPs of an S x L prefill are counted as 4 * S * L^2 / 2 * Hq * D (QK^T and PV,
-2 FLOPs a multiply-add, half the square); mixes count 4 * Hq * D * (visible query-key pairs).
+Parts (``--parts``, default all but the sweep; ``--sweep`` adds it):
+  checks   compiled correctness of ``kvjax.unified_attention`` with impl="pallas" (the Triton
+           kernels) and impl="mosaic_gpu" vs impl="reference" on three ragged mixes (prefill,
+           cached prefix, decode, padding; bf16, int8 per token-head with window + soft cap +
+           sinks, fp8 per tensor), NaN in every cache slot no token was written to, metadata
+           traced under jax.jit;
+  table    rows: 4x4096, 16x1024, 1x16384 causal prefill and a serving mix (1x4096 prefill +
+           64 decodes at 4096); columns: kvjax Triton (``impl="pallas"``), kvjax Mosaic GPU
+           (``impl="mosaic_gpu"``, skipped with the registry's reason where it cannot run,
+           e.g. jax < 0.11 or no Hopper GPU), kvjax ``impl="auto"`` (the pick named), all
+           through the paged cache (bf16, pages shuffled); on dense KV (equal-length prefills
+           only) JAX's ``attention_mgpu`` (float16), cuDNN via ``jax.nn.dot_product_attention``
+           and torch SDPA with ``enable_gqa`` (when torch has CUDA). Cells: TFLOP/s (ms);
+  formats  every cache format on a 4x4096 causal prefill (NHD; nvfp4 HND) through the Triton
+           ragged kernel (``impl="pallas"``: quantized pages read through a plain copy where
+           that pays) and through ``impl="auto"``: TFLOP/s (ms) and % of the bf16 cache's
+           TFLOP/s in the same column (target >= 90 %);
+  sweep    (opt-in) Triton ragged kernel tile configs on 4x4096 NHD.
+Shape: bf16, Hq 32, H 8 (GQA 4), D 128, block 16. FLOPs = 4 * Hq * D * (visible query-key
+pairs) (``benchmarks/prefill_peers.py``); a causal S x L prefill has S * L * (L + 1) / 2.
+Timing: ``benchmarks/common.py`` (median of 5 means of 10 back-to-back calls after 2 warm-up
+calls; torch through CUDA events). Results print as they come and as markdown tables at the end;
+``--json`` (default ``$OUT/prefill.json`` when $OUT is set) is rewritten after every part.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvjax  # noqa: E402
-from kvjax.reference import unified_attention as ref_attention  # noqa: E402
-from kvjax.reference import write_kv  # noqa: E402
-from pallas_kernels.triton.ragged import ragged_paged_attention  # noqa: E402
-from pallas_kernels.triton.ragged_kernel import TileConfig  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks import prefill_peers as P  # noqa: E402
+
+PARTS = ("checks", "table", "formats", "sweep")
+DEFAULT_SWEEP = "128,64,4,3;256,64,8,3;256,32,8,3;128,32,4,2;64,32,4,3"
+KVJAX_COLUMNS = (("kvjax Triton (paged)", "pallas"), ("kvjax Mosaic GPU (paged)", "mosaic_gpu"),
+                 ("kvjax auto (paged)", "auto"))
+CHECK_IMPLS = ("pallas", "mosaic_gpu")
+
+# (name, H, Hq, D, N, layout, cache_dtype, q_lens, ctx_lens, pad, kwargs; "sinks": drawn)
+CHECK_MIXES = (
+    ("NHD bf16 G=4 D=128: prefill/prefix/decode + pad", 8, 32, 128, 16, "NHD", "auto",
+     [300, 1, 1, 77, 512, 1], [0, 1000, 37, 500, 64, 3], 13, {}),
+    ("HND int8/token-head G=7 D=96 N=32 window+softcap+sinks", 2, 14, 96, 32, "HND",
+     "int8_per_token_head", [200, 1, 64, 3], [100, 700, 0, 90], 5,
+     dict(sliding_window=128, soft_cap=30.0, sinks=True)),
+    ("NHD fp8 per tensor (scale 0.5) G=1 D=64 N=64", 4, 4, 64, 64, "NHD", "fp8",
+     [128, 5, 1], [64, 300, 1000], 0, dict(k_scale=0.5, v_scale=0.5)),
+)
+SMOKE_CHECK_MIXES = (
+    ("smoke NHD bf16 G=2 D=64", 2, 4, 64, 16, "NHD", "auto", [20, 1, 9], [0, 40, 17], 3, {}),
+)
 
 
-# -- problems ---------------------------------------------------------------------------------
-def ragged_batch(rng, spec, q_lens, ctx_lens, hq, pad=0, extra_blocks=4, fill="write"):
-  """A ragged batch over a paged cache with shuffled pages.
-
-  fill="write": every token of every sequence written with kvjax's reference writer;
-  fill="random": the whole cache random (fast, for big timing problems).
-  Returns q [T, Hq, D], cache, query_start_loc, seq_lens, block_table.
-  """
-  n = spec.block_size
-  q_lens, ctx_lens = np.asarray(q_lens), np.asarray(ctx_lens)
-  seq_lens = q_lens + ctx_lens
-  pages = -(-seq_lens // n)
-  num_blocks = int(pages.sum()) + extra_blocks
-  max_blocks = max(1, int(pages.max()))
-  perm = rng.permutation(num_blocks)
-  bt = np.zeros((len(q_lens), max_blocks), np.int32)
-  used = 0
-  for s, p in enumerate(pages):
-    bt[s, :p] = perm[used:used + p]
-    bt[s, p:] = perm[used] if p else 0
-    used += p
-  if fill == "random":
-    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
-    shape = spec.physical_shape(num_blocks)
-    cache = jax.random.normal(key, shape, jnp.float32).astype(spec.storage_dtype)
-  else:
-    cache = spec.allocate(num_blocks)
-    slots = np.concatenate([bt[s, np.arange(L) // n] * n + np.arange(L) % n
-                            for s, L in enumerate(seq_lens)]).astype(np.int32)
-    kv_shape = (len(slots), spec.num_kv_heads, spec.head_size)
-    k = jnp.asarray(rng.standard_normal(kv_shape), spec.dtype)
-    v = jnp.asarray(rng.standard_normal(kv_shape), spec.dtype)
-    cache = write_kv(cache, k, v, jnp.asarray(slots), spec)
-  t = int(q_lens.sum()) + pad
-  q = jnp.asarray(rng.standard_normal((t, hq, spec.head_size)), spec.dtype)
-  qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-  return q, cache, jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt)
+def say(line: str):
+  print(line, flush=True)
 
 
-def visible_pairs(q_lens, ctx_lens):
-  """Causal (query, key) pairs: query i of a sequence sees ctx + i + 1 keys."""
-  return sum(int(q) * int(c) + int(q) * (int(q) + 1) // 2 for q, c in zip(q_lens, ctx_lens))
-
-
-# -- timing -----------------------------------------------------------------------------------
-def time_jax(f, *args, reps=5, inner=10):
-  """Median over ``reps`` of the mean time of ``inner`` back-to-back calls, in seconds."""
-  jax.block_until_ready(f(*args))
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      out = f(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / inner)
-  return statistics.median(times)
-
-
-def time_torch(f, reps=5, inner=10):
-  import torch
-  f()
-  f()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(reps):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(inner):
-      f()
-    end.record()
-    torch.cuda.synchronize()
-    times.append(start.elapsed_time(end) / 1e3 / inner)
-  return statistics.median(times)
-
-
-# -- runners ----------------------------------------------------------------------------------
-def ours_fn(spec, scale, cfg=None, interpret=False, max_query_len=None, **kw):
-  @jax.jit
-  def f(q, cache, qsl, sl, bt):
-    return ragged_paged_attention(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
-                                  block_table=bt, scale=scale, max_query_len=max_query_len,
-                                  interpret=interpret, tile_config=cfg, **kw)
-  return f
-
-
-def ref_fn(spec, scale, **kw):
-  @jax.jit
-  def f(q, cache, qsl, sl, bt):
-    return ref_attention(q, cache, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
-                         scale=scale, **kw)
-  return f
-
-
-def check_mix(name, rng, spec, q_lens, ctx_lens, hq, pad, interpret, **kw):
-  q, cache, qsl, sl, bt = ragged_batch(rng, spec, q_lens, ctx_lens, hq, pad=pad)
-  scale = spec.head_size ** -0.5
-  out = ours_fn(spec, scale, interpret=interpret, max_query_len=int(max(q_lens)), **kw)(
-      q, cache, qsl, sl, bt)
-  ref = ref_fn(spec, scale, **kw)(q, cache, qsl, sl, bt)
-  o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  real = int(np.sum(q_lens))
-  rel = float(np.linalg.norm(o[:real] - r[:real]) / np.linalg.norm(r[:real]))
-  pad_ok = bool(np.all(o[real:] == 0))
-  ok = rel < 2e-2 and pad_ok and np.isfinite(o).all()
-  print(f"[check] {name}: rel err {rel:.2e}, padding rows zero: {pad_ok} -> "
-        f"{'OK' if ok else 'FAIL'}", flush=True)
-  return dict(name=name, rel_err=rel, padding_zero=pad_ok, ok=bool(ok))
-
-
-def checks(interpret):
+# -- part checks ------------------------------------------------------------------------------
+def run_checks(smoke: bool) -> list:
+  """Each mix: every impl of CHECK_IMPLS vs the reference; rows of ``P.compare`` + name."""
   rng = np.random.default_rng(0)
-  res = []
-  bf = jnp.bfloat16
-  if interpret:
-    spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, dtype=bf)
-    res.append(check_mix("smoke NHD bf16 G=2", rng, spec, [20, 1, 9], [0, 40, 17], 4, 3,
-                         interpret))
-    return res
-  spec = kvjax.KVCacheSpec(num_kv_heads=8, head_size=128, block_size=16, dtype=bf)
-  res.append(check_mix("NHD bf16 G=4 D=128: prefill/prefix/decode + pad", rng, spec,
-                       [300, 1, 1, 77, 512, 1], [0, 1000, 37, 500, 64, 3], 32, 13, interpret))
-  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=96, block_size=32, layout="HND",
-                           cache_dtype="int8_per_token_head", dtype=bf)
-  res.append(check_mix("HND int8/token-head G=7 D=96 N=32 window+softcap+sinks", rng, spec,
-                       [200, 1, 64, 3], [100, 700, 0, 90], 14, 5, interpret,
-                       sliding_window=128, soft_cap=30.0,
-                       sinks=jnp.asarray(rng.standard_normal(14), jnp.float32)))
-  spec = kvjax.KVCacheSpec(num_kv_heads=4, head_size=64, block_size=64, cache_dtype="fp8",
-                           dtype=bf)
-  res.append(check_mix("NHD fp8 per-tensor G=1 D=64 N=64", rng, spec, [128, 5, 1],
-                       [64, 300, 1000], 4, 0, interpret))
-  return res
-
-
-def bench_gpu(sweep):
-  import torch
-  import torch.nn.functional as tf
   rows = []
-  s_, l_, hq, h, d, n = 4, 4096, 32, 8, 128, 16
-  scale = d ** -0.5
-  flops = 4 * s_ * l_ ** 2 / 2 * hq * d
-  rng = np.random.default_rng(1)
-
-  def add(name, sec, fl=flops, note=""):
-    tflops = fl / sec / 1e12
-    rows.append(dict(name=name, ms=sec * 1e3, tflops=tflops, note=note))
-    print(f"[bench] {name}: {sec * 1e3:.3f} ms, {tflops:.1f} TFLOP/s {note}", flush=True)
-
-  for layout in ("NHD", "HND"):
-    spec = kvjax.KVCacheSpec(num_kv_heads=h, head_size=d, block_size=n, layout=layout,
-                             dtype=jnp.bfloat16)
-    q, cache, qsl, sl, bt = ragged_batch(rng, spec, [l_] * s_, [0] * s_, hq, fill="random")
-    configs = [None] + (sweep if layout == "NHD" else [])
-    for cfg in configs:
-      name = f"ours Triton {layout} " + ("default" if cfg is None else
-                                          f"rows={cfg.rows} bk={cfg.block_kv} "
-                                          f"w={cfg.num_warps} st={cfg.num_stages}")
-      try:
-        add(name, time_jax(ours_fn(spec, scale, cfg), q, cache, qsl, sl, bt))
-      except Exception as e:  # noqa: BLE001 - report and keep going
-        print(f"[bench] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-  # Serving-like mixes (NHD, default config).
-  spec = kvjax.KVCacheSpec(num_kv_heads=h, head_size=d, block_size=n, dtype=jnp.bfloat16)
-  for name, ql, cl in (("chunked prefill 4 x 2048 new on 2048 cached", [2048] * 4, [2048] * 4),
-                       ("1 x 4096 prefill + 64 decodes at ctx 4096",
-                        [4096] + [1] * 64, [0] + [4096] * 64)):
-    q, cache, qsl, sl, bt = ragged_batch(rng, spec, ql, cl, hq, fill="random")
-    fl = 4 * hq * d * visible_pairs(ql, cl)
-    add(f"ours Triton NHD {name}", time_jax(ours_fn(spec, scale), q, cache, qsl, sl, bt), fl)
-
-  # Dense baselines.
-  qd = torch.randn(s_, hq, l_, d, device="cuda", dtype=torch.bfloat16)
-  kd = torch.randn(s_, h, l_, d, device="cuda", dtype=torch.bfloat16)
-  vd = torch.randn(s_, h, l_, d, device="cuda", dtype=torch.bfloat16)
-  ke, ve = kd.repeat_interleave(hq // h, 1), vd.repeat_interleave(hq // h, 1)
-  from torch.nn.attention import SDPBackend, sdpa_kernel
-  with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-    add("torch SDPA FlashAttention (dense KV, heads expanded)",
-        time_torch(lambda: tf.scaled_dot_product_attention(qd, ke, ve, is_causal=True)))
-  try:
-    add("torch SDPA enable_gqa (dense KV)", time_torch(
-        lambda: tf.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)))
-  except Exception as e:  # noqa: BLE001
-    print(f"[bench] torch SDPA enable_gqa: FAILED {e}", flush=True)
-  key = jax.random.PRNGKey(0)
-  qj = jax.random.normal(key, (s_, l_, hq, d), jnp.bfloat16)
-  kj = jax.random.normal(key, (s_, l_, hq, d), jnp.bfloat16)
-  vj = jax.random.normal(key, (s_, l_, hq, d), jnp.bfloat16)
-  try:
-    from jax.experimental.pallas.ops.gpu.attention import mha
-    f = jax.jit(functools.partial(mha, segment_ids=None, sm_scale=scale, causal=True))
-    add("JAX Pallas ops.gpu.attention.mha (dense KV, heads expanded)",
-        time_jax(f, qj, kj, vj))
-  except Exception as e:  # noqa: BLE001
-    print(f"[bench] JAX mha: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-  try:
-    kg = jax.random.normal(key, (s_, l_, h, d), jnp.bfloat16)
-    f = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, scale=scale,
-                                                             is_causal=True,
-                                                             implementation="cudnn"))
-    add("JAX dot_product_attention cuDNN (dense KV, GQA)", time_jax(f, qj, kg, kg))
-  except Exception as e:  # noqa: BLE001
-    print(f"[bench] JAX cuDNN: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+  for name, h, hq, d, n, layout, cd, ql, cl, pad, kw in (SMOKE_CHECK_MIXES if smoke
+                                                          else CHECK_MIXES):
+    kw = dict(kw)
+    spec = kvjax.KVCacheSpec(h, d, n, cd, layout=layout, dtype=jnp.bfloat16)
+    args = P.paged_batch(rng, spec, ql, cl, hq, pad=pad, fill="nan", scales=kw.get("k_scale"))
+    if kw.pop("sinks", False):
+      kw["sinks"] = jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32)
+    mql = max(ql)
+    ref = P.kvjax_fn(spec, "reference", mql, **kw)(*args)
+    for impl in CHECK_IMPLS:
+      row = dict(name=name, impl=impl)
+      why = P.impl_reason(spec, jnp.bfloat16, impl)
+      if why is not None:
+        row.update(skipped=why)
+        say(f"[check] {impl:>10} | {name}: skipped ({why})")
+      else:
+        try:
+          row.update(P.compare(P.kvjax_fn(spec, impl, mql, **kw)(*args), ref, sum(ql)))
+          say(f"[check] {impl:>10} | {name}: max err {row['max_err']:.2e} (ref max "
+              f"{row['ref_max']:.2f}), rel L2 {row['rel_err']:.2e}, padding zero "
+              f"{row['padding_zero']} -> {'OK' if row['ok'] else 'FAIL'}")
+        except Exception as e:  # noqa: BLE001 - report and go on
+          row.update(ok=False, error=common.first_lines(e))
+          say(f"[check] {impl:>10} | {name}: FAIL {row['error']}")
+      rows.append(row)
   return rows
 
 
-def smoke():
-  rows = []
-  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, dtype=jnp.bfloat16)
+def checks(interpret: bool) -> list:
+  """The compiled checks (``interpret``: the CPU smoke mix); kept for gpu_final_check.py."""
+  return run_checks(smoke=interpret)
+
+
+# -- part table -------------------------------------------------------------------------------
+def record(rows, part, problem, column, flops, result, **extra):
+  row = dict(part=part, problem=problem, column=column, flops=flops, **extra, **result)
+  if "ms" in row:
+    row["tflops"] = P.tflops(flops, row["ms"])
+    pick = f" [{row['pick']}]" if "pick" in row else ""
+    say(f"[{part}] {problem} | {column}{pick}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s")
+  elif "skipped" in row:
+    say(f"[{part}] {problem} | {column}: skipped ({row['skipped']})")
+  else:
+    say(f"[{part}] {problem} | {column}: FAILED {row['error']}")
+  rows.append(row)
+
+
+def run_table(smoke: bool, layout: str) -> list:
+  """Every problem x (kvjax columns through the paged cache, dense peers)."""
   rng = np.random.default_rng(1)
-  q, cache, qsl, sl, bt = ragged_batch(rng, spec, [64, 64], [0, 0], 4, fill="random")
-  sec = time_jax(ours_fn(spec, 0.125, interpret=True), q, cache, qsl, sl, bt, reps=1, inner=1)
-  fl = 4 * 2 * 64 ** 2 / 2 * 4 * 64
-  rows.append(dict(name="ours interpret (CPU) 2 x 64", ms=sec * 1e3, tflops=fl / sec / 1e12,
-                   note="interpret mode: not a speed"))
-  print(f"[bench] smoke: {sec * 1e3:.1f} ms", flush=True)
+  timing = P.SMOKE_TIMING if smoke else P.TIMING
+  spec = kvjax.KVCacheSpec(P.H, P.D, P.N, layout=layout, dtype=jnp.bfloat16)
+  rows = []
+  for problem, ql, cl in (P.SMOKE_PROBLEMS if smoke else P.PROBLEMS):
+    flops, mql = P.attention_flops(ql, cl), max(ql)
+    args = P.paged_batch(rng, spec, ql, cl)
+    pick = P.auto_choice(spec, args[0], args[3], args[4], mql).name
+    for column, impl in KVJAX_COLUMNS:
+      extra = dict(pick=pick) if impl == "auto" else {}
+      record(rows, "table", problem, column, flops,
+             P.measure(P.kvjax_thunk(spec, impl, args, mql, timing)), **extra)
+    del args
+    if len(set(ql)) == 1 and not any(cl):
+      for column, thunk in P.dense_peers(len(ql), ql[0], timing):
+        record(rows, "table", problem, column, flops, P.measure(thunk))
+    else:
+      for column in P.DENSE_PEERS:
+        record(rows, "table", problem, column, flops,
+               dict(skipped="dense peers: equal-length prefills only"))
   return rows
 
 
-def versions():
-  v = dict(python=platform.python_version(), jax=jax.__version__,
-           device=str(jax.devices()[0].device_kind))
-  try:
-    import torch
-    v["torch"] = torch.__version__
-  except ImportError:
-    pass
-  try:
-    import triton
-    v["triton"] = triton.__version__
-  except ImportError:
-    pass
-  return v
+# -- part formats -----------------------------------------------------------------------------
+def run_formats(smoke: bool) -> list:
+  """Every cache format, causal S x L prefill, Triton ragged kernel and auto."""
+  rng = np.random.default_rng(2)
+  timing = P.SMOKE_TIMING if smoke else P.TIMING
+  s, L = (1, 64) if smoke else (4, 4096)
+  ql, cl = [L] * s, [0] * s
+  flops = P.attention_flops(ql, cl)
+  rows = []
+  for cd in P.FORMATS:
+    spec = P.format_spec(cd)
+    args = P.paged_batch(rng, spec, ql, cl)
+    pick = P.auto_choice(spec, args[0], args[3], args[4], L).name
+    for column, impl in (("Triton ragged", "pallas"), ("auto", "auto")):
+      extra = dict(pick=pick) if impl == "auto" else {}
+      record(rows, "formats", f"{s}x{L} {cd} {spec.layout}", column, flops,
+             P.measure(P.kvjax_thunk(spec, impl, args, L, timing)), format=cd,
+             layout=spec.layout, **extra)
+    del args
+  return rows
 
 
-def write_md(path, argv, ver, chk, rows):
-  lines = [
-      "# Prefill benchmark: ragged paged attention (raw output of bench_prefill.py)", "",
-      f"- command: `{' '.join(argv)}`",
-      f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-      f"- versions/device: {json.dumps(ver)}",
-      "- FLOPs: causal 4 x 4096 counted as 4 * S * L^2 / 2 * Hq * D = "
-      f"{4 * 4 * 4096 ** 2 / 2 * 32 * 128 / 1e9:.1f} GFLOP; mixes 4 * Hq * D * visible pairs", "",
-      "## Correctness (compiled, vs kvjax.reference)", "",
-      "| mix | rel err (L2) | padding rows zero | ok |", "|---|---|---|---|"]
-  lines += [f"| {c['name']} | {c['rel_err']:.2e} | {c['padding_zero']} | {c['ok']} |"
-            for c in chk]
-  lines += ["", "## Speed", "", "| implementation | ms | TFLOP/s | note |", "|---|---|---|---|"]
-  lines += [f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['note']} |" for r in rows]
-  with open(path, "w") as fh:
-    fh.write("\n".join(lines) + "\n")
-  print(f"wrote {path}")
+# -- part sweep -------------------------------------------------------------------------------
+def run_sweep(smoke: bool, configs: str) -> list:
+  """Triton ragged kernel tile configs ``'rows,block_kv,warps,stages;...'`` on S x L NHD."""
+  import jax
+  from benchmarks.common import time_jax
+  from pallas_kernels.triton.ragged import ragged_paged_attention
+  from pallas_kernels.triton.ragged_kernel import TileConfig
+  rng = np.random.default_rng(3)
+  timing = P.SMOKE_TIMING if smoke else P.TIMING
+  s, L = (1, 64) if smoke else (4, 4096)
+  ql, cl = [L] * s, [0] * s
+  flops = P.attention_flops(ql, cl)
+  spec = kvjax.KVCacheSpec(P.H, P.D, P.N, dtype=jnp.bfloat16)
+  args = P.paged_batch(rng, spec, ql, cl)
+  rows = []
+  for text in ["default"] + [c for c in configs.split(";") if c]:
+    def thunk(text=text):
+      cfg = None if text == "default" else TileConfig(*map(int, text.split(",")))
+      f = jax.jit(lambda q, c, qsl, sl, bt: ragged_paged_attention(
+          q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=P.D ** -0.5,
+          max_query_len=L, interpret=smoke, tile_config=cfg))
+      return time_jax(f, *args, **timing)
+    record(rows, "sweep", f"{s}x{L} NHD", f"Triton tile {text}", flops, P.measure(thunk))
+  return rows
+
+
+# -- report -----------------------------------------------------------------------------------
+def cell(row) -> str:
+  if row is None:
+    return "missing"
+  if "ms" in row:
+    return f"{row['tflops']:.0f} ({row['ms']:.2f})"
+  return "skipped" if "skipped" in row else "FAILED"
+
+
+def notes(rows) -> list:
+  """One line per distinct reason of a skipped or failed cell, with its columns and rows."""
+  seen = {}
+  for r in rows:
+    why = r.get("skipped") or r.get("error")
+    if why:
+      cols, probs = seen.setdefault(why, ({}, {}))
+      cols[r["column"]] = probs[r["problem"]] = None
+  return [f"- {', '.join(cols)} on {', '.join(probs)}: {why}"
+          for why, (cols, probs) in seen.items()]
+
+
+def check_lines(rows) -> list:
+  lines = ["## Correctness (compiled, vs impl=\"reference\"; NaN in unwritten slots)", "",
+           "| mix | impl | max err / ref max | rel L2 | padding rows 0 | result |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    if "skipped" in r:
+      lines.append(f"| {r['name']} | {r['impl']} | - | - | - | skipped: {r['skipped']} |")
+    elif "error" in r:
+      lines.append(f"| {r['name']} | {r['impl']} | - | - | - | FAIL: {r['error'][:120]} |")
+    else:
+      lines.append(f"| {r['name']} | {r['impl']} | {r['max_err']:.2e} / {r['ref_max']:.2f} | "
+                   f"{r['rel_err']:.2e} | {r['padding_zero']} | {'OK' if r['ok'] else 'FAIL'} |")
+  return lines
+
+
+def table_lines(rows, layout) -> list:
+  problems = list(dict.fromkeys(r["problem"] for r in rows))
+  columns = list(dict.fromkeys(r["column"] for r in rows))
+  picks = {r["problem"]: r["pick"] for r in rows if "pick" in r}
+  lines = [f"## Prefill, TFLOP/s (ms): bf16 Hq {P.HQ} H {P.H} D {P.D}, kvjax paged {layout} "
+           f"block {P.N}", "",
+           "| problem | " + " | ".join(columns) + " | auto picks |",
+           "|---|" + "---|" * (len(columns) + 1)]
+  for p in problems:
+    by_col = {r["column"]: r for r in rows if r["problem"] == p}
+    lines.append(f"| {p} | " + " | ".join(cell(by_col.get(c)) for c in columns) +
+                 f" | {picks.get(p, '?')} |")
+  return lines + [""] + notes(rows)
+
+
+def format_lines(rows) -> list:
+  columns = list(dict.fromkeys(r["column"] for r in rows))
+  formats = list(dict.fromkeys((r["format"], r["layout"]) for r in rows))
+  base = {c: next((r for r in rows if r["column"] == c and r["format"] == P.FORMATS[0]
+                   and "ms" in r), None) for c in columns}
+  problem = rows[0]["problem"].split()[0] if rows else "?"
+  lines = [f"## Per cache format, {problem} causal prefill: TFLOP/s (ms), % of the bf16 cache's",
+           "", "| format | layout | " + " | ".join(f"{c} | % bf16" for c in columns) +
+           " | auto picks |", "|---|---|" + "---|---|" * len(columns) + "---|"]
+  short = []
+  for cd, layout in formats:
+    cells, pick = [], "?"
+    for c in columns:
+      r = next((r for r in rows if r["column"] == c and r["format"] == cd), None)
+      pick = r.get("pick", pick) if r else pick
+      pct = "-"
+      if r is not None and "ms" in r and base[c] is not None:
+        frac = r["tflops"] / base[c]["tflops"]
+        pct = f"{100 * frac:.0f} %"
+        if frac < 0.9:
+          short.append(f"{cd} ({c})")
+      cells += [cell(r), pct]
+    label = "bfloat16 (= auto)" if cd == "bfloat16" else cd
+    lines.append(f"| {label} | {layout} | " + " | ".join(cells) + f" | {pick} |")
+  lines += ["", "Target >= 90 % of bf16: " + ("met by every measured format" if not short
+                                               else "missed by " + ", ".join(short))]
+  return lines + notes(rows)
+
+
+def report(result, layout) -> list:
+  parts = result["parts"]
+  lines = [f"# Prefill benchmark (bench_prefill.py), {result['date']}", "",
+           f"- command: `{result['command']}`", f"- device: {result['device']}",
+           f"- versions: {json.dumps(result['versions'])}", ""]
+  if result["smoke"]:
+    lines[-1:] = ["- smoke run: tiny problems, kernels in interpret mode on CPU (not a speed)", ""]
+  if "checks" in parts:
+    lines += check_lines(parts["checks"]) + [""]
+  if "table" in parts:
+    lines += table_lines(parts["table"], layout) + [""]
+  if "formats" in parts:
+    lines += format_lines(parts["formats"]) + [""]
+  if "sweep" in parts:
+    problem = parts["sweep"][0]["problem"] if parts["sweep"] else "?"
+    lines += ["## Triton tile sweep (rows,block_kv,warps,stages), TFLOP/s (ms)", "",
+              f"| config | {problem} |", "|---|---|"]
+    lines += [f"| {r['column']} | {cell(r)} |" for r in parts["sweep"]] + [""]
+  return lines
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--smoke", action="store_true", help="tiny CPU interpret run")
-  ap.add_argument("--md", default=None, help="markdown output (default: $OUT/prefill_raw.md "
-                  "on the device, else none)")
-  ap.add_argument("--no-sweep", action="store_true")
-  ap.add_argument("--sweep", default="128,64,4,3;256,64,8,3;256,32,8,3;128,32,4,2;64,32,4,3",
-                  help="extra NHD tile configs 'rows,block_kv,warps,stages;...'")
+  ap.add_argument("--smoke", action="store_true", help="tiny CPU interpret-mode run")
+  ap.add_argument("--parts", default="checks,table,formats",
+                  help=f"comma-separated parts among {','.join(PARTS)}")
+  ap.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None,
+                  help="also run the Triton tile sweep: 'rows,block_kv,warps,stages;...' "
+                  f"(default {DEFAULT_SWEEP})")
+  ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"),
+                  help="cache layout of the table's kvjax columns")
+  ap.add_argument("--json", default=None,
+                  help="JSON output (default $OUT/prefill.json when $OUT is set)")
+  ap.add_argument("--md", default=None,
+                  help="markdown report (default $OUT/prefill.md when $OUT is set)")
   args = ap.parse_args()
-  ver = versions()
-  print("versions:", ver, flush=True)
-  if args.smoke:
-    chk, rows = checks(interpret=True), smoke()
-  else:
-    sweep = [] if args.no_sweep else [TileConfig(*map(int, c.split(",")))
-                                      for c in args.sweep.split(";") if c]
-    chk = checks(interpret=False)
-    rows = bench_gpu(sweep)
-  print("\n| implementation | ms | TFLOP/s |\n|---|---|---|")
-  for r in rows:
-    print(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.1f} |")
-  print("checks:", "all OK" if all(c["ok"] for c in chk) else "FAILURES", flush=True)
-  md = args.md or (os.path.join(os.environ["OUT"], "prefill_raw.md") if "OUT" in os.environ
-                   else None)
-  if md:
-    write_md(md, sys.argv, ver, chk, rows)
-    with open(os.path.splitext(md)[0] + ".json", "w") as fh:
-      json.dump(dict(versions=ver, checks=chk, rows=rows), fh, indent=1)
+  parts = [p for p in args.parts.split(",") if p]
+  bad = [p for p in parts if p not in PARTS]
+  if bad:
+    ap.error(f"--parts: unknown {bad}; choose among {PARTS}")
+  if args.sweep is not None and "sweep" not in parts:
+    parts.append("sweep")
+  out = os.environ.get("OUT")
+  json_path = args.json or (os.path.join(out, "prefill.json") if out else None)
+  md_path = args.md or (os.path.join(out, "prefill.md") if out else None)
+  t0 = time.time()
+  result = dict(date=common.now_utc(), command=common.command_line(),
+                versions=common.versions(), device=common.device_name(), smoke=args.smoke,
+                parts={}, seconds={})
+  say(f"versions: {result['versions']}, device: {result['device']}")
+  runners = dict(checks=lambda: run_checks(args.smoke),
+                 table=lambda: run_table(args.smoke, args.layout),
+                 formats=lambda: run_formats(args.smoke),
+                 sweep=lambda: run_sweep(args.smoke, args.sweep or DEFAULT_SWEEP))
+  for part in PARTS:
+    if part not in parts:
+      continue
+    t_part = time.time()
+    result["parts"][part] = runners[part]()
+    result["seconds"][part] = round(time.time() - t_part, 1)
+    say(f"== part {part}: {result['seconds'][part]:.0f} s")
+    if json_path:
+      with open(json_path, "w") as fh:
+        json.dump(result, fh, indent=1)
+  lines = report(result, args.layout)
+  say("\n" + "\n".join(lines))
+  chk = result["parts"].get("checks", [])
+  if chk:
+    say("checks: " + ("all OK" if all(r.get("ok") for r in chk if "skipped" not in r)
+                      else "FAILURES"))
+  say(f"total {time.time() - t0:.0f} s")
+  if md_path:
+    with open(md_path, "w") as fh:
+      fh.write("\n".join(lines) + "\n")
+    say(f"wrote {md_path}")
+  if json_path:
+    say(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

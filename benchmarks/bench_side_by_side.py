@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 
 import kvjax  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks import prefill_peers  # noqa: E402
 from benchmarks import vllm_peer  # noqa: E402
 
 HQ, H, D, N = 32, 8, 128, 16
@@ -171,36 +172,25 @@ def decode_part(args, interpret):
   return rows
 
 
-def visible_pairs(q_lens, ctx_lens):
-  return sum(sum(c + i + 1 for i in range(q)) for q, c in zip(q_lens, ctx_lens))
+#: Keys of the dense peers' times in a prefill row (``prefill_peers.DENSE_PEERS`` names).
+_PEER_KEYS = {"cuDNN via JAX (dense)": "cudnn", "torch SDPA GQA (dense)": "sdpa"}
 
 
 def time_dense_peers(q_lens, ctx_lens, interpret):
-  """torch SDPA (enable_gqa) and cuDNN via JAX on dense KV, one call per sequence length group
-  (the prefill cases here are uniform or a single long sequence); None where not applicable."""
+  """torch SDPA (enable_gqa) and cuDNN via JAX on dense KV (``prefill_peers.dense_peers``) for
+  equal-length causal prefills: ``{"sdpa_ms", "cudnn_ms"}`` or ``*_error``; empty elsewhere."""
   out = {}
   if interpret or len(set(q_lens)) != 1 or any(ctx_lens):
     return out
-  s, length = len(q_lens), q_lens[0]
-  try:
-    import torch
-    import torch.nn.functional as tf
-    q = torch.randn(s, HQ, length, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(s, H, length, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    out["sdpa_ms"] = common.time_torch(
-        lambda: tf.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    del q, k, v
-  except Exception as e:  # noqa: BLE001
-    out["sdpa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-  try:
-    kq = jax.random.normal(jax.random.PRNGKey(3), (s, length, HQ, D), jnp.bfloat16)
-    kk = jax.random.normal(jax.random.PRNGKey(4), (s, length, H, D), jnp.bfloat16)
-    f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                             implementation="cudnn"))
-    out["cudnn_ms"] = common.time_jax(f, kq, kk, kk, reps=5, inner=5)
-  except Exception as e:  # noqa: BLE001
-    out["cudnn_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+  for name, thunk in prefill_peers.dense_peers(len(q_lens), q_lens[0],
+                                               dict(reps=5, inner=5, warmup=2)):
+    if name in _PEER_KEYS:
+      row = prefill_peers.measure(thunk)
+      key = _PEER_KEYS[name]
+      if "ms" in row:
+        out[f"{key}_ms"] = row["ms"]
+      else:
+        out[f"{key}_error"] = row.get("error") or row["skipped"]
   return out
 
 
@@ -214,8 +204,8 @@ def prefill_part(args, interpret):
   rows = []
   use_vllm = vllm_peer.available() and not args.no_vllm
   for name, q_lens, ctx_lens in cases:
-    hd = geo["head_size"] * HQ * geo["num_kv_heads"] // H
-    flops = 4 * hd * visible_pairs(q_lens, ctx_lens)
+    flops = prefill_peers.attention_flops(q_lens, ctx_lens, hq=HQ * geo["num_kv_heads"] // H,
+                                          d=geo["head_size"])
     peers = time_dense_peers(q_lens, ctx_lens, interpret)
     for cd in formats:
       for layout in ("NHD", "HND") if cd == "bfloat16" else ("NHD",):

@@ -1,7 +1,13 @@
 """H200 check of the Mosaic GPU ragged attention: compiled correctness, then speed.
 
 GPU:  PYTHONUNBUFFERED=1 python3 benchmarks/check_mosaic_gpu.py         (< 6 minutes)
-      writes $OUT/mosaic_gpu.json when $OUT is set.
+      [--only checks|bench|rule] [--quant-only]; writes $OUT/mosaic_gpu.json when $OUT is set.
+CPU:  python3 benchmarks/check_mosaic_gpu.py --smoke   (plumbing only: every GPU item fails)
+
+The one prefill table (kvjax Triton / Mosaic GPU / auto vs the dense peers, every cache
+format) is ``benchmarks/bench_prefill.py``; this script is the Mosaic GPU kernel's own check
+(every P.V variant, tile geometries, the auto rule). Problems, FLOPs, jitted kvjax calls and
+the dense peers come from ``benchmarks/prefill_peers.py``.
 
 1. Correctness of every ``acc += P V`` variant of the kernel (``tiles.PV_VARIANTS``: P in
    registers / through shared memory, accumulated in place / into a fresh accumulator) vs
@@ -19,6 +25,9 @@ GPU:  PYTHONUNBUFFERED=1 python3 benchmarks/check_mosaic_gpu.py         (< 6 min
    ``attention_mgpu`` (float16: it stages q/k/v in float16 buffers), cuDNN
    (``jax.nn.dot_product_attention``) and torch SDPA (``enable_gqa=True``).
    FLOPs = 4 * (visible query-key pairs) * Hq * D.
+3. The auto rule (Triton vs Mosaic GPU from pure decode to long prefill, bf16 NHD) and every
+   cache format on a 4x4096 causal prefill: Triton through a plain copy where it pays, Triton
+   dequantizing in its inner loop, Mosaic GPU through the copy (``--quant-only``: formats only).
 
 Each part runs in a child process with a time limit, so a hang (a barrier deadlock) or a
 crash costs that part only; the parent prints what the child reported before it stopped.
@@ -26,7 +35,6 @@ crash costs that part only; the parent prints what the child reported before it 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -35,6 +43,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.common import first_lines  # noqa: E402
 
 PARTS = {"checks": 240, "bench": 150, "rule": 150}    # seconds each part may take
 PREFIX = "@@"                             # result lines the parent collects
@@ -45,57 +55,7 @@ def emit(kind, **row):
   print(PREFIX + json.dumps(dict(kind=kind, **row)), flush=True)
 
 
-def first_lines(e: BaseException, n: int = 3) -> str:
-  text = f"{type(e).__name__}: {e}".strip().splitlines()
-  return " | ".join(text[:n])[:400]
-
-
-# -- problems ----------------------------------------------------------------------------------
-def paged_batch(rng, spec, q_lens, ctx_lens, hq, pad=0, fill="nan", scales=None):
-  """(q, cache, qsl, seq_lens, block_table) with shuffled pages.
-
-  fill="nan": NaN cache, then every token of every sequence written (small checks);
-  fill="random": the whole cache random normal (big timing problems).
-  """
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from kvjax.reference import write_kv
-  n = spec.block_size
-  q_lens, ctx_lens = np.asarray(q_lens), np.asarray(ctx_lens)
-  seq_lens = q_lens + ctx_lens
-  pages = np.maximum(-(-seq_lens // n), 1)
-  num_blocks = int(pages.sum()) + 2
-  perm = rng.permutation(num_blocks)
-  bt = np.zeros((len(q_lens), int(pages.max())), np.int32)
-  used = 0
-  for s, p in enumerate(pages):
-    bt[s, :p] = perm[used:used + p]
-    bt[s, p:] = perm[-1]
-    used += p
-  shape = spec.physical_shape(num_blocks)
-  if fill == "random":
-    cache = jax.random.normal(jax.random.PRNGKey(int(rng.integers(1 << 30))), shape,
-                              jnp.float32).astype(spec.dtype)
-  else:   # 0xFF bytes: NaN in 16-bit floats, NaN data and scales in quantized formats
-    raw = np.full(int(np.prod(shape)) * spec.itemsize, 0xFF, np.uint8)
-    cache = jnp.asarray(raw.view(spec.storage_dtype).reshape(shape))
-    slots = np.concatenate([bt[s, np.arange(L) // n] * n + np.arange(L) % n
-                            for s, L in enumerate(seq_lens)]).astype(np.int32)
-    kv = (len(slots), spec.num_kv_heads, spec.head_size)
-    k, v = (jnp.asarray(rng.standard_normal(kv), spec.dtype) for _ in range(2))
-    cache = write_kv(cache, k, v, jnp.asarray(slots), spec, k_scale=scales, v_scale=scales)
-  q = jnp.asarray(rng.standard_normal((int(q_lens.sum()) + pad, hq, spec.head_size)),
-                  spec.dtype)
-  qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-  return q, cache, jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt)
-
-
-def visible_pairs(q_lens, ctx_lens):
-  """Causal (query, key) pairs: query i of a sequence sees ctx + i + 1 keys."""
-  return sum(int(q) * int(c) + int(q) * (int(q) + 1) // 2 for q, c in zip(q_lens, ctx_lens))
-
-
+# -- problems (benchmarks/prefill_peers.py: paged_batch, kvjax_fn, dense_peers, FLOPs) ---------
 def ours_fn(spec, scale, max_query_len, geometry=None, pv=None, **kw):
   import jax
   from pallas_kernels.mosaic_gpu.ragged_attention import ragged_paged_attention_tiled
@@ -106,18 +66,6 @@ def ours_fn(spec, scale, max_query_len, geometry=None, pv=None, **kw):
                                         block_table=bt, scale=scale,
                                         max_query_len=max_query_len, geometry=geometry,
                                         pv=pv, **kw)
-  return f
-
-
-def triton_fn(spec, scale, max_query_len, **kw):
-  import jax
-  import kvjax
-
-  @jax.jit
-  def f(q, cache, qsl, sl, bt):
-    return kvjax.unified_attention(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
-                                   block_table=bt, scale=scale, max_query_len=max_query_len,
-                                   impl="pallas", **kw)
   return f
 
 
@@ -171,7 +119,7 @@ def run_checks():
   import jax.numpy as jnp
   import numpy as np
   import kvjax
-  from kvjax.reference import unified_attention as ref_attention
+  from benchmarks import prefill_peers as P
   from pallas_kernels.mosaic_gpu.ragged_attention import supports_attention
   from pallas_kernels.mosaic_gpu.tiles import DEFAULT_PV, PV_VARIANTS
   spec0 = kvjax.KVCacheSpec(8, 128, 16, dtype=jnp.bfloat16)
@@ -189,70 +137,52 @@ def run_checks():
     variants = PV_VARIANTS if cache_dtype == "auto" else (DEFAULT_PV,)
     try:
       spec = kvjax.KVCacheSpec(h, d, n, cache_dtype, layout=layout, dtype=dtype)
-      q, cache, qsl, sl, bt = paged_batch(rng, spec, ql, cl, h * g, pad=pad, scales=scales)
+      args = P.paged_batch(rng, spec, ql, cl, h * g, pad=pad, fill="nan", scales=scales)
       if kw.pop("sinks", False):
         kw["sinks"] = jnp.asarray(rng.standard_normal(h * g) * 2, jnp.float32)
-      scale = d ** -0.5
-      r = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, scale=scale, **kw))(
-          q, cache, query_start_loc=qsl, seq_lens=sl, block_table=bt), np.float32)
+      ref = P.kvjax_fn(spec, "reference", mql, **kw)(*args)
     except Exception as e:  # noqa: BLE001 - report and go on with the next case
       for pv in variants:
         emit("check", name=name, pv=pv, ok=False, error="setup: " + first_lines(e))
       continue
-    real = int(np.sum(ql))
-    mag = float(np.max(np.abs(r))) if r.size else 0.0
     for pv in variants:
       t0 = time.time()
       try:
-        out = ours_fn(spec, scale, mql, pv=pv, **kw)(q, cache, qsl, sl, bt)
-        o = np.asarray(jax.block_until_ready(out), np.float32)
-        err = float(np.max(np.abs(o[:real] - r[:real]))) if real else 0.0
-        pad_zero = bool(np.all(o[real:] == 0))
-        finite = bool(np.isfinite(o).all())
-        ok = finite and pad_zero and err <= 2e-2 * max(mag, 1e-3)
-        emit("check", name=name, pv=pv, max_err=err, ref_max=mag, padding_zero=pad_zero,
-             finite=finite, ok=ok, seconds=round(time.time() - t0, 1))
+        out = jax.block_until_ready(ours_fn(spec, d ** -0.5, mql, pv=pv, **kw)(*args))
+        emit("check", name=name, pv=pv, **P.compare(out, ref, sum(ql)),
+             seconds=round(time.time() - t0, 1))
       except Exception as e:  # noqa: BLE001 - report and go on
         emit("check", name=name, pv=pv, ok=False, error=first_lines(e),
              seconds=round(time.time() - t0, 1))
 
 
 # -- part 2: speed -----------------------------------------------------------------------------
-PREFILLS = [(4, 4096), (16, 1024), (1, 16384)]
-MIX = ([4096] + [1] * 64, [0] + [4096] * 64)
-HQ, H, D, N = 32, 8, 128, 16
-
-
 def run_bench(smoke: bool = False):
   """Time every implementation; ``smoke``: tiny problems (plumbing check on CPU)."""
-  import jax
   import jax.numpy as jnp
   import numpy as np
   import kvjax
+  from benchmarks import prefill_peers as P
   from benchmarks.common import time_jax
-  from pallas_kernels.mosaic_gpu.tiles import DEFAULT_PV, PV_VARIANTS
+  from pallas_kernels.mosaic_gpu.tiles import DEFAULT_PV, PV_VARIANTS, TileGeometry
   rng = np.random.default_rng(1)
-  scale = D ** -0.5
+  scale = P.D ** -0.5
+  timing = P.SMOKE_TIMING if smoke else P.TIMING
 
   def timed(impl, problem, fn, flops):
-    try:
-      ms = fn()
-      emit("bench", impl=impl, problem=problem, ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-    except Exception as e:  # noqa: BLE001
-      emit("bench", impl=impl, problem=problem, error=first_lines(e))
+    row = P.measure(fn)
+    if "ms" in row:
+      row["tflops"] = P.tflops(flops, row["ms"])
+    emit("bench", impl=impl, problem=problem, **row)
 
-  prefills, mix = ([(1, 64)], ([32, 1], [0, 64])) if smoke else (PREFILLS, MIX)
-  problems = [(f"{s}x{L} causal prefill", [L] * s, [0] * s) for s, L in prefills]
-  problems.append((f"1x{mix[0][0]} prefill + {len(mix[0]) - 1} decodes at {mix[1][1]}", *mix))
-  timing = dict(reps=1, inner=1, warmup=1) if smoke else {}
+  problems = P.SMOKE_PROBLEMS if smoke else P.PROBLEMS
   for k, (problem, ql, cl) in enumerate(problems):
-    flops = 4 * visible_pairs(ql, cl) * HQ * D
-    mql = max(ql)
+    flops, mql = P.attention_flops(ql, cl), max(ql)
     for layout in ("NHD", "HND"):
-      spec = kvjax.KVCacheSpec(H, D, N, layout=layout, dtype=jnp.bfloat16)
-      args = paged_batch(rng, spec, ql, cl, HQ, fill="random")
+      spec = kvjax.KVCacheSpec(P.H, P.D, P.N, layout=layout, dtype=jnp.bfloat16)
+      args = P.paged_batch(rng, spec, ql, cl)
       if layout == "NHD":
-        f = triton_fn(spec, scale, mql)
+        f = P.kvjax_fn(spec, "pallas", mql)
         timed("Pallas-Triton (kvjax) NHD", problem, lambda: time_jax(f, *args, **timing), flops)
       f = ours_fn(spec, scale, mql)
       timed(f"Mosaic GPU (ours, {DEFAULT_PV}) {layout}", problem,
@@ -264,18 +194,18 @@ def run_bench(smoke: bool = False):
             timed(f"Mosaic GPU (ours, {pv}) NHD", problem,
                   lambda: time_jax(f, *args, **timing), flops)
       del args
-    if len(set(ql)) == 1:          # dense baselines: equal-length causal prefills
-      dense_baselines(timed, problem, len(ql), ql[0], flops)
+    if len(set(ql)) == 1 and not any(cl):     # dense peers: equal-length causal prefills
+      for impl, thunk in P.dense_peers(len(ql), ql[0], timing):
+        timed(impl, problem, thunk, flops)
   # Tile sweep of the default variant on the first problem (NHD): bq, consumer warpgroups,
   # keys per step, K/V slots; the default tile (tiles.choose_geometry) is bq=32 wgs=2 bk=128.
-  from pallas_kernels.mosaic_gpu.tiles import TileGeometry
   problem, ql, cl = problems[0]
-  flops = 4 * visible_pairs(ql, cl) * HQ * D
-  spec = kvjax.KVCacheSpec(H, D, N, dtype=jnp.bfloat16)
-  args = paged_batch(rng, spec, ql, cl, HQ, fill="random")
-  g = HQ // H
+  flops = P.attention_flops(ql, cl)
+  spec = kvjax.KVCacheSpec(P.H, P.D, P.N, dtype=jnp.bfloat16)
+  args = P.paged_batch(rng, spec, ql, cl)
+  g = P.HQ // P.H
   for bq, wgs, bk, stages in ((32, 2, 64, 4), (16, 1, 128, 2)):
-    geo = TileGeometry(g, bq, wgs, bk, stages, N)
+    geo = TileGeometry(g, bq, wgs, bk, stages, P.N)
     f = ours_fn(spec, scale, max(ql), geometry=geo)
     timed(f"Mosaic GPU (ours, {DEFAULT_PV}) NHD bq={bq} wgs={wgs} bk={bk} stages={stages}",
           problem, lambda: time_jax(f, *args, **timing), flops)
@@ -292,9 +222,6 @@ RULE_BATCHES = [
     ("1 x 512 prefill + 32 decodes at 2048", [512] + [1] * 32, [0] + [2047] * 32),
     ("2 x 2048 prefill", [2048] * 2, [0] * 2),
 ]
-#: Cache formats the Triton ragged kernel is timed on for a 4 x 4096 causal prefill.
-QUANT_PREFILL_FORMATS = ("bfloat16", "fp8", "int8_per_token_head", "fp8_per_token_head",
-                         "int4_per_token_head", "nvfp4")
 
 
 def run_rule(smoke: bool = False, quant_only: bool = False):
@@ -306,97 +233,51 @@ def run_rule(smoke: bool = False, quant_only: bool = False):
   import jax.numpy as jnp
   import numpy as np
   import kvjax
+  from benchmarks import prefill_peers as P
   from benchmarks.common import time_jax
+  from pallas_kernels.triton.ragged import ragged_paged_attention
   rng = np.random.default_rng(2)
-  scale = D ** -0.5
-  timing = dict(reps=1, inner=1, warmup=1) if smoke else {}
+  scale = P.D ** -0.5
+  timing = P.SMOKE_TIMING if smoke else P.TIMING
   batches = [("2 decodes", [1, 1], [30, 60]), ("1 x 40 prefill", [40], [0])] if smoke \
       else RULE_BATCHES
   if quant_only:
     batches = []
+
+  def timed(impl, problem, fn, args, flops, **extra):
+    row = P.measure(lambda: time_jax(fn, *args, **timing))
+    if "ms" in row:
+      row["tflops"] = P.tflops(flops, row["ms"])
+    emit("bench", impl=impl, problem=problem, **row, **extra)
+
   for problem, ql, cl in batches:
-    flops = 4 * visible_pairs(ql, cl) * HQ * D
-    spec = kvjax.KVCacheSpec(H, D, N, layout="NHD", dtype=jnp.bfloat16)
-    args = paged_batch(rng, spec, ql, cl, HQ, fill="random")
-    for impl, fn in (("Pallas-Triton", triton_fn), ("Mosaic GPU", ours_fn)):
-      f = fn(spec, scale, max(ql))
-      try:
-        ms = time_jax(f, *args, **timing)
-        emit("bench", impl=impl, problem=problem, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
-             part="rule", max_query_len=max(ql))
-      except Exception as e:  # noqa: BLE001
-        emit("bench", impl=impl, problem=problem, error=first_lines(e), part="rule")
+    flops = P.attention_flops(ql, cl)
+    spec = kvjax.KVCacheSpec(P.H, P.D, P.N, layout="NHD", dtype=jnp.bfloat16)
+    args = P.paged_batch(rng, spec, ql, cl)
+    timed("Pallas-Triton", problem, P.kvjax_fn(spec, "pallas", max(ql)), args, flops,
+          part="rule", max_query_len=max(ql))
+    timed("Mosaic GPU", problem, ours_fn(spec, scale, max(ql)), args, flops, part="rule",
+          max_query_len=max(ql))
     del args
   s, L = (1, 64) if smoke else (4, 4096)
   ql, cl = [L] * s, [0] * s
-  flops = 4 * visible_pairs(ql, cl) * HQ * D
-  for cd in QUANT_PREFILL_FORMATS:
-    spec = kvjax.KVCacheSpec(H, D, N, cache_dtype=cd, layout="HND" if cd == "nvfp4" else "NHD",
-                             dtype=jnp.bfloat16)
-    ks = 1.0 if cd in ("fp8", "nvfp4") else None
-    q = jnp.asarray(rng.standard_normal((s * L, HQ, D)), jnp.bfloat16)
-    pages = s * L // N + 8
-    shape = spec.physical_shape(pages)
-    if spec.storage_dtype.itemsize >= 2 or cd == "fp8":
-      cache = jnp.asarray(rng.standard_normal(shape) * 0.5).astype(spec.storage_dtype)
-    else:   # small random codes (finite scales)
-      cache = jnp.asarray(rng.integers(0, 64, shape), spec.storage_dtype)
-    bt = jnp.asarray(rng.permutation(pages)[: s * L // N].reshape(s, L // N), jnp.int32)
-    qsl = jnp.asarray(np.arange(s + 1) * L, jnp.int32)
-    sl = jnp.full((s,), L, jnp.int32)
-    from pallas_kernels.triton.ragged import ragged_paged_attention
-    variants = [("Pallas-Triton", triton_fn(spec, scale, L, k_scale=ks, v_scale=ks))]
+  flops = P.attention_flops(ql, cl)
+  problem = f"{s}x{L} causal prefill, per format"
+  for cd in P.FORMATS:
+    spec = P.format_spec(cd)
+    ks = P.tensor_scale(cd)
+    args = P.paged_batch(rng, spec, ql, cl)
+    timed(f"Pallas-Triton {cd}", problem, P.kvjax_fn(spec, "pallas", L), args, flops,
+          part="quant_prefill")
     if cd != "bfloat16":
-      variants.append(("Pallas-Triton in-loop dequant", jax.jit(
+      timed(f"Pallas-Triton in-loop dequant {cd}", problem, jax.jit(
           lambda q, c, qsl, sl, bt, spec=spec, ks=ks: ragged_paged_attention(
               q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=scale,
-              k_scale=ks, v_scale=ks, max_query_len=L, plain_copy=False))))
-    variants.append(("Mosaic GPU", ours_fn(spec, scale, L, k_scale=ks, v_scale=ks)))
-    for impl, f in variants:
-      name = f"{impl} {cd}"
-      try:
-        ms = time_jax(f, q, cache, qsl, sl, bt, **timing)
-        emit("bench", impl=name, problem=f"{s}x{L} causal prefill, per format", ms=ms,
-             tflops=flops / (ms * 1e-3) / 1e12, part="quant_prefill")
-      except Exception as e:  # noqa: BLE001
-        emit("bench", impl=name, problem=f"{s}x{L} causal prefill, per format",
-             error=first_lines(e), part="quant_prefill")
-    del cache
-
-
-def dense_baselines(timed, problem, s, L, flops):
-  import jax
-  import jax.numpy as jnp
-  from benchmarks.common import time_jax, time_torch
-  key = jax.random.PRNGKey(0)
-  q = jax.random.normal(key, (s, L, HQ, D), jnp.bfloat16)
-  k = jax.random.normal(jax.random.PRNGKey(1), (s, L, H, D), jnp.bfloat16)
-  v = jax.random.normal(jax.random.PRNGKey(2), (s, L, H, D), jnp.bfloat16)
-
-  def mgpu():   # its kernel stages q/k/v in float16 shared-memory buffers: float16 inputs
-    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
-    cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
-    f = jax.jit(functools.partial(am.attention, config=cfg))
-    f16 = [x.astype(jnp.float16) for x in (q, k, v)]
-    return time_jax(f, *f16)
-  timed("JAX attention_mgpu (dense KV)", problem, mgpu, flops)
-
-  def cudnn():
-    f = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(
-        a, b, c, scale=D ** -0.5, is_causal=True, implementation="cudnn"))
-    return time_jax(f, q, k, v)
-  timed("cuDNN via JAX (dense KV)", problem, cudnn, flops)
-  del q, k, v
-
-  def sdpa():
-    import torch
-    import torch.nn.functional as tf
-    qt = torch.randn(s, HQ, L, D, device="cuda", dtype=torch.bfloat16)
-    kt = torch.randn(s, H, L, D, device="cuda", dtype=torch.bfloat16)
-    vt = torch.randn(s, H, L, D, device="cuda", dtype=torch.bfloat16)
-    return time_torch(lambda: tf.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
-                                                              enable_gqa=True))
-  timed("torch SDPA enable_gqa (dense KV)", problem, sdpa, flops)
+              k_scale=ks, v_scale=ks, max_query_len=L, plain_copy=False)), args, flops,
+          part="quant_prefill")
+    timed(f"Mosaic GPU {cd}", problem, ours_fn(spec, scale, L, k_scale=ks, v_scale=ks), args,
+          flops, part="quant_prefill")
+    del args
 
 
 # -- parent: run the parts, collect, print, save -----------------------------------------------
@@ -452,6 +333,8 @@ def describe(row) -> str:
   if row["kind"] == "bench":
     if "error" in row:
       return f"[bench] {row['problem']} | {row['impl']}: FAILED {row['error']}"
+    if "skipped" in row:
+      return f"[bench] {row['problem']} | {row['impl']}: skipped ({row['skipped']})"
     return (f"[bench] {row['problem']} | {row['impl']}: {row['ms']:.3f} ms,"
             f" {row['tflops']:.1f} TFLOP/s")
   return f"[info] {row}"
@@ -488,7 +371,7 @@ def main():
     result["parts"][part] = status
     result["rows"] += rows
   checks = [r for r in result["rows"] if r["kind"] == "check"]
-  bench = [r for r in result["rows"] if r["kind"] == "bench" and "error" not in r]
+  bench = [r for r in result["rows"] if r["kind"] == "bench" and "ms" in r]
   variants = list(dict.fromkeys(r["pv"] for r in checks))
   names = list(dict.fromkeys(r["name"] for r in checks))
   print("\nmax err / ref max, per acc += P V variant\n| check | " + " | ".join(variants) + " |")

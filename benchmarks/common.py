@@ -98,6 +98,12 @@ def device_name() -> str:
   return f"{d.platform}: {getattr(d, 'device_kind', str(d))}"
 
 
+def first_lines(e: BaseException, n: int = 3) -> str:
+  """The exception's type and first ``n`` lines of its message, at most 400 characters."""
+  text = f"{type(e).__name__}: {e}".strip().splitlines()
+  return " | ".join(text[:n])[:400]
+
+
 def now_utc() -> str:
   return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
