@@ -129,8 +129,8 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
   if stack is not None:
     cache, block_table = stack.attention_operands(cache, spec, block_table, run.impl.xla)
   rot = spec.codec.rotation
-  out = run(rot.rotate(q), cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
+  out = run(rot.rotate_q(q), cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_table=block_table, scale=rot.softmax_scale(scale, spec.head_size),
             causal=causal, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
             k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len)
-  return rot.unrotate(out)
+  return rot.unrotate_out(out)

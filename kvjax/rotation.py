@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -90,6 +91,28 @@ def rht(x, inverse: bool = False):
   return hadamard(x * signs)
 
 
+@functools.lru_cache(maxsize=None)
+def rht_matrix(head_size: int, inverse: bool = False) -> np.ndarray:
+  """``M`` float32 ``[D, D]`` with ``x @ M == rht(x, inverse)`` (entries ±1)."""
+  d = check_head_size(head_size)
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < d:
+    h = np.block([[h, h], [h, -h]])
+  signs = rht_signs(d)
+  return signs[:, None] * h if not inverse else h * signs[None, :]
+
+
+def _times_matrix(x, m: np.ndarray, post_scale: float = 1.0):
+  """``(x [..., D] @ m) * post_scale`` accumulated in float32, in x's dtype (16-bit x: a
+  16-bit product, exact for a ±1 ``m``; float32 x: at full float32 precision)."""
+  sixteen = np.dtype(x.dtype).itemsize == 2
+  out = jax.lax.dot_general(x, jnp.asarray(m, x.dtype if sixteen else jnp.float32),
+                            (((x.ndim - 1,), (0,)), ((), ())),
+                            precision=None if sixteen else jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+  return (out * np.float32(post_scale) if post_scale != 1.0 else out).astype(x.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rotation:
   """The identity (base class): the cache stores K and V as the model gives them.
@@ -115,6 +138,15 @@ class Rotation:
     del head_size
     return scale
 
+  def rotate_q(self, q):
+    """:meth:`rotate` for attention's queries, where tolerances, not stored bytes, matter
+    (a subclass may compute it in another order)."""
+    return self.rotate(q)
+
+  def unrotate_out(self, y):
+    """:meth:`unrotate` for attention's outputs (as :meth:`rotate_q`)."""
+    return self.unrotate(y)
+
 
 @dataclasses.dataclass(frozen=True)
 class HadamardRotation(Rotation):
@@ -135,6 +167,17 @@ class HadamardRotation(Rotation):
 
   def softmax_scale(self, scale, head_size: int):
     return scale / head_size
+
+  def rotate_q(self, q):
+    """``rotate`` as one product with the ±1 matrix of the transform (its entries and every
+    product with a 16-bit q are exact; the float32 sum runs in the tensor cores' order, not
+    the butterflies'): one pass over ``[T, Hq, D]`` instead of log2(D)."""
+    return _times_matrix(q, rht_matrix(q.shape[-1]))
+
+  def unrotate_out(self, y):
+    """``unrotate`` as one product (as :meth:`rotate_q`), divided by D in float32 after it
+    (exact: a power of two)."""
+    return _times_matrix(y, rht_matrix(y.shape[-1], inverse=True), 1.0 / y.shape[-1])
 
 
 NO_ROTATION = Rotation()

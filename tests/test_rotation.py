@@ -54,3 +54,22 @@ def test_signs_match_torch_generator(d):
 def test_bad_head_size_is_refused(bad):
   with pytest.raises(ValueError, match=f"head_size={bad}"):
     rotation.rht_signs(bad)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("d", [16, 128])
+def test_attention_forms_equal_the_butterflies(rng, dtype, d):
+  """rotate_q / unrotate_out (one matrix product) equal rotate / unrotate (butterflies) up
+  to the summation order: within one unit in the last place of the result's dtype plus the
+  float32 summation error bound (D * 2**-24 * sum |x| of the row: ``H`` entries are ±1)."""
+  import jax.numpy as jnp
+  rot = rotation.HADAMARD
+  x = jnp.asarray(rng.standard_normal((64, 3, d)) * 10.0 ** rng.uniform(-2, 2, (64, 3, 1)),
+                  dtype)
+  mant = {"bfloat16": 8, "float16": 11, "float32": 24}[dtype]
+  for fast, slow, k in ((rot.rotate_q, rot.rotate, 1.0), (rot.unrotate_out, rot.unrotate, 1 / d)):
+    got, want = (np.asarray(f(x)).astype(np.float64) for f in (fast, slow))
+    row = k * np.abs(np.asarray(x).astype(np.float64)).sum(-1, keepdims=True)
+    tol = np.abs(want) * 2.0 ** (1 - mant) + 2 * d * 2.0 ** -24 * row
+    assert (np.abs(got - want) <= tol).all()
+    assert np.abs(want).max() > 0
