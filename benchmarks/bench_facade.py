@@ -252,6 +252,8 @@ def bench_regime(name, seqs, ctx, cfg, dev, rng):
   row["floor_us"], row["floor_host_us"] = per_layer_us(floor, jax_wait, step.layers,
                                                        cfg["reps"])
   row.update(step.pieces_us(cfg["reps"]))
+  cx = step.backend._crossing(dev)       # True, True: jaxlib's raw DLPack import and export ran
+  row["raw_import"], row["raw_export"] = cx._fast_checked, cx._export_checked
   vllm = None if cfg.get("layered") else step.vllm_fn()
   row["vllm_us"] = None
   if vllm is not None:
