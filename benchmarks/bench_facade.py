@@ -11,12 +11,24 @@ Per layer, medians over repeats:
   bytes (only where ``benchmarks/vllm_peer.py`` finds vLLM's kernels: a CUDA machine);
 - ``facade``: ``PagedAttentionBackend.forward`` with torch tensors (output donated);
 - ``direct``: the same jitted kvjax op called from JAX with JAX arrays;
-- ``facade host``: host time to issue one facade call (the loop without its final sync).
+- ``floor``: the same loop doing only the crossing work a torch caller cannot avoid, with no
+  facade logic: per layer the fence (one CUDA event recorded on torch's stream, JAX's
+  external-ready stream waits on it), one fresh DLPack import of the query (the import whose
+  definition event orders the JAX computation after torch's queued work), the same jitted
+  function with the facade's kept metadata and cache arrays (output donated on CUDA), and the
+  stream-ordered export of the result to torch (``torch_bridge.interop.Crossing``'s
+  ``fence`` / ``fresh`` / ``publish``). facade − floor is the facade's own logic;
+- ``facade host`` / ``floor host`` / ``direct host``: host time to issue one call (the loop
+  without its final sync).
+
+A second table times the floor's pieces one by one inside that loop (host µs per call,
+medians): event, import, the jitted call, export. On the CPU there are no streams: the
+event is a no-op and the export is the host wait for the result (so it holds the compute).
 
 ``--smoke`` runs tiny shapes on the CPU in well under a minute (a check of the script and a
 proxy of the facade's host cost: on the CPU the facade waits for each result to copy it into
-``output``, so there the direct call waits for each result too, and facade minus direct is
-the host work the facade adds).
+``output``, so there the direct call and the floor wait for each result too, and facade minus
+direct is the host work the facade adds; the floor there is import + call + wait).
 
 ``--host`` measures the facade's own host work per call, CPU tensors, the host-bound regime's
 shapes: ``forward`` and ``do_kv_cache_update`` with kvjax's jitted functions replaced by stubs
@@ -118,6 +130,73 @@ class Step:
       return r
     return run
 
+  def _floor_parts(self):
+    """What the floor loop uses, all prepared by the facade itself: the crossing, its jitted
+    function, the step's kept metadata arrays, the kept cache arrays, the layer scalars."""
+    be, md = self.backend, self.md
+    self.facade()                          # compiles, and fills the facade's caches
+    (fn,) = be._attn.values()
+    cx = be._crossing(self.dev)
+    meta = md.jax_arrays(cx, self.qs[0].shape[0])
+    caches = [be._cache_array(cx, be._cache(c, i)) for c, i in zip(self.caches, self.layer_ids)]
+    ids = [be._layer_array(cx, i) for i in self.layer_ids]
+    donate = self.dev.type == "cuda"       # the facade's default output_mode on CUDA
+    outs = [jax.numpy.zeros(q.shape, be.spec.dtype, device=cx.jax_device) for q in self.qs]
+    return fn, cx, meta, caches, ids, donate, outs
+
+  def floor_fn(self):
+    """The irreducible crossing work of a facade call around the same jitted function, with
+    no facade logic. Per layer: the fence (one event on torch's stream that JAX's
+    external-ready stream waits on), one fresh import of the query (the import defined after
+    the fence, which orders the computation after torch's queued work), the call (output
+    donated on CUDA, as the facade does), the export of the result to torch's stream (CPU: a
+    host wait)."""
+    fn, cx, (qsl, sl, bt), caches, ids, donate, outs = self._floor_parts()
+
+    def run():
+      r = None
+      for i, (q, c, li) in enumerate(zip(self.qs, caches, ids)):
+        stream = cx.fence()
+        qj = cx.fresh(q)
+        if donate:
+          outs[i] = r = fn(qj, c, qsl, sl, bt, None, None, None, li, outs[i])
+        else:
+          r = fn(qj, c, qsl, sl, bt, None, None, None, li)
+        cx.publish(r, stream)
+      return r
+    return run
+
+  def pieces_us(self, reps):
+    """Host µs per call of each piece of the floor loop, each timed alone inside the loop
+    (so each sees what it sees in a facade call: the export a result still being computed),
+    medians over ``reps`` steps of L layers: event (``fence``: torch's current stream read,
+    one event recorded on it and waited on), import (``fresh`` of q), call (the jitted
+    function), export (``publish`` on that stream)."""
+    fn, cx, (qsl, sl, bt), caches, ids, donate, outs = self._floor_parts()
+    clock = time.perf_counter
+    spent = {"event": [], "import": [], "call": [], "export": []}
+    for rep in range(reps + 1):
+      _sync(self.dev)
+      for i, (q, c, li) in enumerate(zip(self.qs, caches, ids)):
+        t0 = clock()
+        stream = cx.fence()
+        t1 = clock()
+        qj = cx.fresh(q)
+        t2 = clock()
+        if donate:
+          outs[i] = r = fn(qj, c, qsl, sl, bt, None, None, None, li, outs[i])
+        else:
+          r = fn(qj, c, qsl, sl, bt, None, None, None, li)
+        t3 = clock()
+        cx.publish(r, stream)
+        t4 = clock()
+        if rep:                            # the first step warms up
+          for name, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            spent[name].append(dt * 1e6)
+      jax.block_until_ready(r)
+    _sync(self.dev)
+    return {f"{name}_us": statistics.median(v) for name, v in spent.items()}
+
   def vllm_fn(self):
     from benchmarks import vllm_peer
     if not (self.dev.type == "cuda" and vllm_peer.available()):
@@ -169,26 +248,46 @@ def bench_regime(name, seqs, ctx, cfg, dev, rng):
                                                          cfg["reps"])
   row["facade_us"], row["facade_host_us"] = per_layer_us(step.facade, torch_wait, step.layers,
                                                          cfg["reps"])
+  floor = step.floor_fn()
+  row["floor_us"], row["floor_host_us"] = per_layer_us(floor, jax_wait, step.layers,
+                                                       cfg["reps"])
+  row.update(step.pieces_us(cfg["reps"]))
+  cx = step.backend._crossing(dev)       # True, True: jaxlib's raw DLPack import and export ran
+  row["raw_import"], row["raw_export"] = cx._fast_checked, cx._export_checked
   vllm = None if cfg.get("layered") else step.vllm_fn()
   row["vllm_us"] = None
   if vllm is not None:
     row["vllm_us"], _ = per_layer_us(vllm, torch_wait, step.layers, cfg["reps"])
   row["added_us"] = row["facade_us"] - row["direct_us"]
-  # the facade's result equals the direct call's (same jitted function, same bytes)
+  row["floor_added_us"] = row["floor_us"] - row["direct_us"]
+  row["over_floor_us"] = row["facade_us"] - row["floor_us"]
+  # the facade's and the floor loop's results equal the direct call's (same jitted function,
+  # same bytes)
   out = step.outs[-1].float().cpu()
   ref = torch.from_dlpack(direct()).float().cpu()
   row["max_abs_diff"] = float((out - ref).abs().max())
+  row["floor_max_abs_diff"] = float((torch.from_dlpack(floor()).float().cpu() - ref).abs().max())
   return row
 
 
 def table(rows):
   f = lambda v: "-" if v is None else f"{v:.1f}"
   lines = ["| per layer (µs) | vLLM Triton from torch | kvjax facade | kvjax direct JAX | "
-           "facade − direct | facade host | direct host |", "|---|---|---|---|---|---|---|"]
+           "facade − direct | floor | floor − direct | facade − floor | facade host | "
+           "floor host | direct host |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['regime']}: {r['seqs']} seqs x {r['ctx']}, {r['layers']} layers | "
                  f"{f(r['vllm_us'])} | {f(r['facade_us'])} | {f(r['direct_us'])} | "
-                 f"{f(r['added_us'])} | {f(r['facade_host_us'])} | {f(r['direct_host_us'])} |")
+                 f"{f(r['added_us'])} | {f(r['floor_us'])} | {f(r['floor_added_us'])} | "
+                 f"{f(r['over_floor_us'])} | {f(r['facade_host_us'])} | "
+                 f"{f(r['floor_host_us'])} | {f(r['direct_host_us'])} |")
+  lines += ["", "| floor pieces, host µs per call (medians) | event (record + wait) | "
+            "fresh import of q | jitted call | export of the result | event + import + export |",
+            "|---|---|---|---|---|---|"]
+  for r in rows:
+    crossing = r["event_us"] + r["import_us"] + r["export_us"]
+    lines.append(f"| {r['regime']} | {f(r['event_us'])} | {f(r['import_us'])} | "
+                 f"{f(r['call_us'])} | {f(r['export_us'])} | {f(crossing)} |")
   return "\n".join(lines)
 
 

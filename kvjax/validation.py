@@ -172,12 +172,12 @@ def check_slot_values(name: str, slots: np.ndarray, num_slots: int, negative_ok:
   """Host check of slot numbers: each ``< num_slots`` (and ``>= 0`` unless ``negative_ok``)."""
   if not slots.size:
     return
-  i = int(np.argmax(slots))
-  if slots[i] >= num_slots:
+  if slots.max() >= num_slots:
+    i = int(np.argmax(slots))
     raise ValueError(f"{name}[{i}] = {slots[i]} is past the cache: slots must be < "
                      f"num_blocks * block_size = {num_slots}")
-  i = int(np.argmin(slots))
-  if not negative_ok and slots[i] < 0:
+  if not negative_ok and slots.min() < 0:
+    i = int(np.argmin(slots))
     raise ValueError(f"{name} must be non-negative (read_kv reads slots in [0, {num_slots})), "
                      f"got {name}[{i}] = {slots[i]}")
 

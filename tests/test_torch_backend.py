@@ -160,12 +160,16 @@ def test_cached_views_see_later_torch_writes(rng, device):
 
 
 @requires_cuda
-@pytest.mark.parametrize("mode,side_stream,output_mode", [
-    ("fast", True, "copy"), ("fast", False, "copy"), ("dlpack", True, "copy"),
-    ("fast", True, "donate"), ("dlpack", False, "donate")])
-def test_cuda_stream_ordering(rng, mode, side_stream, output_mode):
+@pytest.mark.parametrize("mode,side_stream,output_mode,sliced", [
+    ("fast", True, "copy", False), ("fast", False, "copy", False),
+    ("dlpack", True, "copy", False), ("fast", True, "donate", False),
+    ("dlpack", False, "donate", False), ("fast", True, "donate", True),
+    ("fast", False, "copy", True)])
+def test_cuda_stream_ordering(rng, mode, side_stream, output_mode, sliced):
   """torch writes queued behind a long GPU sleep on the current stream are seen by the facade;
-  torch work queued right after a facade call sees its results (the host never waits)."""
+  torch work queued right after a facade call sees its results (the host never waits).
+  ``sliced``: query and key are non-contiguous views (vLLM slices them out of one qkv
+  tensor), so the facade's contiguous copies are torch work queued behind the sleep too."""
   dev = torch.device("cuda")
   backend = tb.PagedAttentionBackend(HQ, H, D, N, "auto", "NHD", crossing_mode=mode,
                                      output_mode=output_mode)
@@ -176,7 +180,14 @@ def test_cuda_stream_ordering(rng, mode, side_stream, output_mode):
   md = _metadata(torch.from_numpy(slots).to(dev), dev)
   t = sum(Q_LENS)
   q_true, k_true = rand_bf16(rng, (t, HQ, D), dev), rand_bf16(rng, (1, H, D), dev)
-  q, key, out = torch.zeros_like(q_true), torch.zeros_like(k_true), torch.zeros_like(q_true)
+  if sliced:
+    q = torch.zeros((t, (HQ + 2 * H) * D), dtype=torch.bfloat16, device=dev)[:, :HQ * D]
+    q = q.view(t, HQ, D)
+    key = torch.zeros((1, H, 2 * D), dtype=torch.bfloat16, device=dev)[:, :, :D]
+    assert not q.is_contiguous() and not key.is_contiguous()
+  else:
+    q, key = torch.zeros_like(q_true), torch.zeros_like(k_true)
+  out = torch.zeros_like(q_true)
   one_slot = torch.tensor([5 * N + 2], dtype=torch.int32, device=dev)   # block 5, offset 2
   sync(dev)
   stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()

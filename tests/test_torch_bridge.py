@@ -264,3 +264,51 @@ def test_nvfp4_views_match_kvjax_split(rng):
     tb.nvfp4_split_data_scale(t[:, :2].float())
   with pytest.raises(ValueError, match="nvfp4"):
     tb.kv_views(t, spec)
+
+
+# -- the facade's crossing (torch_bridge.interop) -------------------------------------------
+@pytest.mark.parametrize("mode", ["fast", "dlpack"])
+def test_crossing_imports_and_hands_back_without_copies(rng, device, mode):
+  """fresh / view import torch's memory (a non-contiguous or grad-requiring tensor as its
+  contiguous values), and to_torch hands a JAX result back in its own buffer, ordered on the
+  stream the fence returned."""
+  from torch_bridge import interop
+  cx = interop.Crossing(device, mode)
+  raw = torch.empty(6 * 4 * 8 + 16, device=device)    # 64-byte aligned: shareable on CPU
+  skip = -raw.data_ptr() % L.CPU_ALIGNMENT // raw.element_size()
+  x = raw[skip:skip + 6 * 4 * 8].view(6, 4, 8)
+  x.copy_(torch.from_numpy(rng.standard_normal((6, 4, 8)).astype(np.float32)))
+  stream = cx.fence()
+  assert (stream is None) == (torch.device(device).type == "cpu")
+  kept = cx.view(x)
+  assert kept.unsafe_buffer_pointer() == x.data_ptr() and cx.view(x) is kept
+  for t in (x, x.transpose(0, 1), x.clone().requires_grad_()):
+    got = cx.fresh(t)
+    np.testing.assert_array_equal(np.asarray(got), t.detach().cpu().numpy())
+  result = jax.jit(lambda a: a * 2.0 + 1.0)(kept)
+  back = cx.to_torch(result, stream)
+  assert back.data_ptr() == result.unsafe_buffer_pointer()
+  np.testing.assert_array_equal(back.cpu().numpy(), x.cpu().numpy() * 2.0 + 1.0)
+  cx.publish(result, stream)
+  x.mul_(-1.0)                              # torch's in-place write, seen through the view
+  sync(device)
+  np.testing.assert_array_equal(np.asarray(cx.view(x)), x.cpu().numpy())
+
+
+def test_crossing_export_falls_back_to_dlpack_protocol(rng, monkeypatch):
+  """If jaxlib's raw export fails on first use, the crossing exports with __dlpack__ for good
+  (same memory, same values); a conjugated tensor, which DLPack cannot carry, is refused."""
+  from torch_bridge import interop
+  to_buffer, _ = interop._jaxlib_entry_points()
+
+  def broken(*args, **kwargs):
+    raise TypeError("no such entry point")
+  monkeypatch.setattr(interop, "_jaxlib_entry_points", lambda: (to_buffer, broken))
+  cx = interop.Crossing("cpu")
+  x = torch.from_numpy(rng.standard_normal((3, 5)).astype(np.float32))
+  result = jax.jit(lambda a: a - 3.0)(cx.fresh(x))
+  back = cx.to_torch(result)
+  assert cx._export_checked is None and back.data_ptr() == result.unsafe_buffer_pointer()
+  np.testing.assert_array_equal(back.numpy(), x.numpy() - 3.0)
+  with pytest.raises(BufferError, match="conjugate"):
+    cx.fresh(torch.from_numpy(rng.standard_normal(4).astype(np.complex64)).conj())

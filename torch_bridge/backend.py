@@ -23,12 +23,19 @@ A layer's slice (``kv[l]`` of the logical view) is not compact and is refused, a
 block of a layered cache (``kv[:, b]``), which looks like a cache of L blocks.
 
 Host cost per call (what the facade adds to the jitted call): long-lived tensors are
-imported once and kept by identity (the cache, with its checks done on first use; the
-metadata of a step, checked, padded and imported on its first layer; an int32 slot
-mapping; on CUDA the donated output, whose previous result is its view), and every call
-makes exactly one fresh import after its one event: the query (``forward``) or the key
-(``do_kv_cache_update``), which carries the event into the JAX computation. A kept view
-aliases torch's memory, so torch's in-place writes into a kept tensor are seen.
+imported once and kept by identity (the cache, with its checks done on first use and an
+O(1) check of its storage after; the metadata of a step, checked, padded and imported on
+its first layer, and on CUDA without ``check_cuda_inputs`` the decision not to read it
+made once too; an int32 slot mapping; on CUDA the donated output, whose previous result is
+its view). What a CUDA call still does is the crossing itself: torch's current stream read
+once, one event recorded on it and waited on by JAX's stream, fresh imports after it (the
+query for ``forward``; key and value for ``do_kv_cache_update``) of which the first carries
+the event into the JAX computation, and one export of the result to torch's stream, both
+through jaxlib's DLPack entry points, not the Python ``__dlpack__`` protocol. A
+non-contiguous query / key / value is copied contiguous before the event, so the copy is
+ordered too. ``benchmarks/bench_facade.py`` measures that floor (the crossing alone around
+the same jitted call) next to the facade. A kept view aliases torch's memory, so torch's
+in-place writes into a kept tensor are seen.
 
 Compiled programs: one per (token count, sequence bucket, block-table width bucket,
 query-length bucket) for ``forward`` and one per key row count for
@@ -184,6 +191,8 @@ class PagedAttentionBackend:
     if isinstance(kv_cache, torch.Tensor):
       key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
       entry = self._caches.get(key)
+      if entry is not None and entry.phys.data_ptr() != key[0]:
+        entry = None     # its storage moved (resized): a new tensor at the old address
       if entry is not None:
         st = kv_cache.untyped_storage()
         if st.nbytes() < entry.need or st.data_ptr() == 0:
@@ -314,18 +323,23 @@ class PagedAttentionBackend:
                        "tokens")
     return checks.slots_int32(slot_mapping, num_slots, self.check_cuda_inputs, num_rows)
 
-  def _copy_back(self, cx, phys, new):
-    """A CUDA write XLA did not alias: copy JAX's whole new cache into torch's buffer."""
-    phys.view(torch.uint8).copy_(cx.to_torch(new).view(torch.uint8))
+  def _copy_back(self, cx, phys, new, stream):
+    """A CUDA write XLA did not alias: copy JAX's whole new cache into torch's buffer
+    (``stream``: torch's current stream, from the call's fence)."""
+    phys.view(torch.uint8).copy_(cx.to_torch(new, stream).view(torch.uint8))
 
-  def _copy_pages_back(self, phys, new, pages, layer):
+  def _copy_pages_back(self, entry, new, pages, layer):
     """CPU: copy the pages ``pages`` (block ids, numpy; of ``layer`` for a layered cache) of
-    JAX's new cache into torch's buffer: numpy row copies of host memory, no copy of the rest."""
+    JAX's new cache into torch's buffer: one numpy copy of host memory per page, no copy of
+    the rest."""
     src = np.asarray(new).view(np.uint8)           # zero-copy: JAX's CPU buffer
-    dst = _host_bytes(phys).reshape(src.shape)
-    index = (pages,) if layer is None else (pages,) + (slice(None),) * (
-        self.spec.layer_axis - 1) + (layer,)
-    dst[index] = src[index]
+    dst = entry.host
+    if dst is None or dst.shape != src.shape:
+      dst = entry.host = _host_bytes(entry.phys).reshape(src.shape)
+    inner = () if layer is None else (slice(None),) * (self.spec.layer_axis - 1) + (layer,)
+    for page in pages.tolist():
+      index = (page,) + inner
+      dst[index] = src[index]
 
   # -- the two ops ---------------------------------------------------------------------------
   def do_kv_cache_update(self, key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None,
@@ -342,10 +356,11 @@ class PagedAttentionBackend:
     value = self._check_tokens("value", value, h)
     entry = self._cache(kv_cache, layer)
     cx = self._crossing(key.device)
+    key, value = cx.stage(key), cx.stage(value)   # CUDA: contiguous before the fence
     num_slots = entry.num_blocks * self.spec.block_size
     slots_t = self._slots(slot_mapping, num_slots, key.shape[0])
     ks, vs = self._scales(cx, k_scale, v_scale)
-    cx.fence()                 # after every torch op above, before every import below
+    stream = cx.fence()        # after every torch op above, before every import below
     k, v = cx.input(key), cx.input(value)       # CUDA: fresh after the fence, carrying it
     slots = cx.view(slots_t, zero_copy=False) if slots_t is slot_mapping else cx.fresh(slots_t)
     cache = self._cache_array(cx, entry)
@@ -359,18 +374,18 @@ class PagedAttentionBackend:
     if not cx.is_cuda:
       host = slots_t.numpy()
       named = host[(host >= 0) & (host < num_slots)]
-      self._copy_pages_back(entry.phys, jax.block_until_ready(new),
-                            np.unique(named // self.spec.block_size), layer)
+      new.block_until_ready()
+      self._copy_pages_back(entry, new, np.unique(named // self.spec.block_size), layer)
       return None
     if not entry.inplace_checked:
       if new.unsafe_buffer_pointer() != entry.phys.data_ptr():
         warnings.warn("torch_bridge: XLA did not write the donated cache in place; copying back")
         entry.arr = None
-        self._copy_back(cx, entry.phys, new)
+        self._copy_back(cx, entry.phys, new, stream)
         return None
       entry.inplace_checked = True
     entry.arr = new        # the donated input is gone; the result is the same memory
-    cx.publish(new)
+    cx.publish(new, stream)
     return None
 
   def forward(self, query, kv_cache, metadata: PagedAttentionMetadata, output, k_scale=None,
@@ -390,10 +405,11 @@ class PagedAttentionBackend:
       raise ValueError(f"output has {out.shape[0]} tokens, query {t}")
     entry = self._cache(kv_cache, layer)
     cx = self._crossing(q.device)
+    q = cx.stage(q)                      # CUDA: contiguous before the fence
     metadata.check_values(t, entry.num_blocks, self.spec.block_size, self.check_cuda_inputs)
     mql = metadata.padded(t)[3]          # torch work (padding), once per metadata and T
     ks, vs = self._scales(cx, k_scale, v_scale)
-    cx.fence()                           # after every torch op above, before every import
+    stream = cx.fence()                  # after every torch op above, before every import
     qj = cx.input(q)                     # CUDA: a fresh import, carrying the fence
     qsl, sl, bt = metadata.jax_arrays(cx, t)
     donate = cx.is_cuda and self.output_mode == "donate" and out.is_contiguous()
@@ -407,23 +423,25 @@ class PagedAttentionBackend:
     args = (qj, self._cache_array(cx, entry), qsl, sl, bt, self._sinks(cx),
             self._scale_array(cx, ks), self._scale_array(cx, vs), self._layer_array(cx, layer))
     if not donate:
-      out.copy_(cx.to_torch(fn(*args)))
+      out.copy_(cx.to_torch(fn(*args), stream))
       return output
-    okey = cx._key(out)
+    # out is contiguous [t, Hq, D] of the backend's dtype (checked above): its address and t
+    # name the memory a kept result aliases
+    okey = (out.data_ptr(), t)
     prev = self._outs.pop(okey, None)    # the previous result in out's memory, if kept
     res = fn(*args, prev if prev is not None and not prev.is_deleted() else cx.fresh(out))
     if not self._out_checked:
       if res.unsafe_buffer_pointer() != out.data_ptr():
         warnings.warn("torch_bridge: XLA did not write into the donated output; copying")
         self.output_mode = "copy"
-        out.copy_(cx.to_torch(res))
+        out.copy_(cx.to_torch(res, stream))
         return output
       self._out_checked = True
     if out.numel() * out.element_size() <= _KEEP_OUTPUT_BYTES:
       if len(self._outs) >= _KEEP_OUTPUTS:
         self._outs.pop(next(iter(self._outs)))
       self._outs[okey] = res             # it keeps out's memory alive: a small bounded set
-    cx.publish(res)
+    cx.publish(res, stream)
     return output
 
   def clear_cached_views(self):
@@ -445,12 +463,13 @@ _KEEP_OUTPUTS, _KEEP_OUTPUT_BYTES = 32, 1 << 20
 class _Cache:
   """A cache tensor the backend has validated: its storage-typed physical tensor, the
   storage bytes it addresses, (B, L) (L None for one layer), the JAX view (None until
-  imported; after a donated write, the result) and whether in-place writing was verified."""
-  __slots__ = ("phys", "need", "num_blocks", "num_layers", "arr", "inplace_checked")
+  imported; after a donated write, the result), whether in-place writing was verified and
+  (CPU, after a first write) its bytes as a numpy uint8 array over the same memory."""
+  __slots__ = ("phys", "need", "num_blocks", "num_layers", "arr", "inplace_checked", "host")
 
   def __init__(self, phys, need, num_blocks, num_layers):
     self.phys, self.need, self.num_blocks, self.num_layers = phys, need, num_blocks, num_layers
-    self.arr, self.inplace_checked = None, False
+    self.arr, self.inplace_checked, self.host = None, False, None
 
 
 def _host_bytes(phys: torch.Tensor) -> np.ndarray:

@@ -21,6 +21,7 @@ buffer), so written caches are copied back into torch's memory.
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 
 import jax
@@ -41,12 +42,32 @@ def t_dtype_np(t: torch.Tensor):
   return dtypes.numpy_dtype(t.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _jaxlib_entry_points():
+  """(raw import, raw export): jaxlib's ``dlpack_managed_tensor_to_buffer`` as
+  ``f(capsule, device, stream, copy, dl_type)`` whatever this jaxlib's signature, and
+  ``buffer_to_dlpack_managed_tensor`` (private API: callers check them on first use)."""
+  from jax._src.lib import _jax, jaxlib_extension_version
+  to_buffer = _jax.dlpack_managed_tensor_to_buffer
+  if jaxlib_extension_version < 467:
+    old = to_buffer
+    to_buffer = lambda capsule, device, stream, copy, dl_type: old(capsule, device, stream, copy)
+  return to_buffer, _jax.buffer_to_dlpack_managed_tensor
+
+
 def _raw_import(capsule, device, stream, copy, dl_type):
   """``dlpack_managed_tensor_to_buffer`` across jaxlib versions (private API)."""
-  from jax._src.lib import _jax, jaxlib_extension_version
-  if jaxlib_extension_version >= 467:
-    return _jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, copy, dl_type)
-  return _jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, copy)
+  return _jaxlib_entry_points()[0](capsule, device, stream, copy, dl_type)
+
+
+def _torch_capsule(t: torch.Tensor):
+  """A DLPack capsule of ``t`` with no stream synchronization: what ``t.__dlpack__(stream=-1)``
+  returns, without its Python checks that the callers make themselves (a tensor requiring
+  grad is detached before; the CUDA current-device check is moot, the import names its
+  device) except the conjugate bit's, which DLPack cannot carry."""
+  if t.is_conj():
+    raise BufferError("Can't export tensors with the conjugate bit set")
+  return torch.utils.dlpack.to_dlpack(t)
 
 
 class Crossing:
@@ -77,6 +98,7 @@ class Crossing:
     self._dl_type = _DL_CUDA if self.is_cuda else _DL_CPU
     self._jax_stream = None
     self._fast_checked = False
+    self._export_checked = False    # True: jaxlib's raw export works; None: use __dlpack__
     self._publish_checked = False
     if self.is_cuda and mode == "fast":
       try:
@@ -88,10 +110,17 @@ class Crossing:
 
   # -- torch -> JAX ------------------------------------------------------------------------
   def fence(self):
-    """CUDA, mode "fast": JAX's external-ready stream waits for torch's current stream."""
-    if self.is_cuda and self.mode == "fast":
-      self._event.record(torch.cuda.current_stream(self.device))
+    """CUDA, mode "fast": JAX's external-ready stream waits for torch's current stream.
+
+    Returns torch's current stream (CUDA; None on CPU), for :meth:`publish` and
+    :meth:`to_torch` of the same call (which run on the same stream)."""
+    if not self.is_cuda:
+      return None
+    stream = torch.cuda.current_stream(self.device.index)   # an int: no device parsing
+    if self.mode == "fast":
+      self._event.record(stream)
       self._ext.wait_event(self._event)
+    return stream
 
   def _fall_back(self, err):
     warnings.warn(f"torch_bridge: fast DLPack crossing unavailable ({type(err).__name__}: "
@@ -101,10 +130,10 @@ class Crossing:
   def _import(self, t: torch.Tensor, copy) -> jax.Array:
     if self.mode == "fast":
       if self._fast_checked:
-        return _raw_import(t.__dlpack__(stream=-1), self.jax_device, self._jax_stream, copy,
+        return _raw_import(_torch_capsule(t), self.jax_device, self._jax_stream, copy,
                            self._dl_type)
       try:   # first use: the private entry point must work and share the pointer
-        arr = _raw_import(t.__dlpack__(stream=-1), self.jax_device, self._jax_stream, copy,
+        arr = _raw_import(_torch_capsule(t), self.jax_device, self._jax_stream, copy,
                           self._dl_type)
         if arr.dtype != t_dtype_np(t) or (copy is False and
                                           arr.unsafe_buffer_pointer() != t.data_ptr()):
@@ -115,11 +144,21 @@ class Crossing:
         self._fall_back(e)
     return jax.dlpack.from_dlpack(t, copy=copy)
 
+  def stage(self, t: torch.Tensor) -> torch.Tensor:
+    """A per-call input made ready for :meth:`input` / :meth:`fresh`; call it before
+    :meth:`fence`. CUDA: made contiguous now (the copy is torch work, which the fence then
+    orders the import after); CPU: ``t`` as it is (the import copies what it must)."""
+    if self.is_cuda and not t.is_contiguous():
+      return t.contiguous()
+    return t
+
   def fresh(self, t: torch.Tensor) -> jax.Array:
     """Import a per-call input (query, key, value); made contiguous first if it is not.
 
-    Call :meth:`fence` once per call before the first fresh import. May copy on
-    CPU when the address is misaligned (inputs only, never the cache).
+    Call :meth:`fence` once per call before the first fresh import. A contiguous copy made
+    here on CUDA is torch work queued after that fence, so it fences again (one more event;
+    :meth:`stage` before the fence avoids it). May copy on CPU when the address is
+    misaligned (inputs only, never the cache).
     """
     if t.device != self.device:
       raise ValueError(f"tensor on {t.device}, expected {self.device}")
@@ -127,6 +166,8 @@ class Crossing:
       t = t.detach()
     if not t.is_contiguous():
       t = t.contiguous()
+      if self.is_cuda:
+        self.fence()
     return self._import(t, None)
 
   def input(self, t: torch.Tensor) -> jax.Array:
@@ -146,7 +187,7 @@ class Crossing:
 
   @staticmethod
   def _key(t: torch.Tensor):
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)   # torch.Size hashes as a tuple
 
   def view(self, t: torch.Tensor, *, zero_copy: bool = True, keep: bool = True) -> jax.Array:
     """A JAX view of a long-lived contiguous tensor, imported once and reused.
@@ -192,12 +233,37 @@ class Crossing:
     self._views.clear()
 
   # -- JAX -> torch ------------------------------------------------------------------------
-  def publish(self, arr: jax.Array):
-    """Make torch's later work see ``arr``: a stream wait on CUDA, a host wait on CPU."""
-    if self.is_cuda and self._publish_checked is not None:
-      s = torch.cuda.current_stream(self.device).cuda_stream
+  def _stream_pointer(self, stream):
+    """The DLPack consumer stream of torch's ``stream`` (its current one if None): the
+    stream's handle, 1 for CUDA's legacy default stream (handle 0)."""
+    if stream is None:
+      stream = torch.cuda.current_stream(self.device.index)
+    s = stream.cuda_stream
+    return s if s != 0 else 1
+
+  def _export(self, arr: jax.Array, consumer):
+    """A DLPack capsule of ``arr`` for the consumer stream ``consumer`` (None on CPU; on
+    CUDA the stream is made to wait for ``arr``). Mode "fast": jaxlib's raw export, which
+    ``arr.__dlpack__`` ends in after its Python checks (one device: the facade's results
+    are), falling back to ``arr.__dlpack__`` for good if it fails on first use; mode
+    "dlpack": ``arr.__dlpack__``."""
+    if self._export_checked:
+      return _jaxlib_entry_points()[1](arr, stream=consumer)
+    if self._export_checked is False and self.mode == "fast":
       try:
-        arr.__dlpack__(stream=s if s != 0 else 1)   # 1 = CUDA's legacy default stream
+        capsule = _jaxlib_entry_points()[1](arr, stream=consumer)
+        self._export_checked = True
+        return capsule
+      except Exception:  # noqa: BLE001 - a jaxlib whose private API differs
+        self._export_checked = None
+    return arr.__dlpack__(stream=consumer)
+
+  def publish(self, arr: jax.Array, stream=None):
+    """Make torch's later work see ``arr``: a stream wait on CUDA (on ``stream``, the one
+    :meth:`fence` returned, else torch's current stream), a host wait on CPU."""
+    if self.is_cuda and self._publish_checked is not None:
+      try:
+        self._export(arr, self._stream_pointer(stream))
         self._publish_checked = True
         return
       except Exception as e:  # noqa: BLE001
@@ -208,8 +274,10 @@ class Crossing:
         self._publish_checked = None
     arr.block_until_ready()
 
-  def to_torch(self, arr: jax.Array) -> torch.Tensor:
-    """A torch tensor sharing ``arr`` that torch's current stream may read now."""
+  def to_torch(self, arr: jax.Array, stream=None) -> torch.Tensor:
+    """A torch tensor sharing ``arr`` that torch's ``stream`` (the one :meth:`fence`
+    returned, else its current one) may read now; on CPU after a host wait."""
     if not self.is_cuda:
       arr.block_until_ready()
-    return torch.from_dlpack(arr)
+      return torch.utils.dlpack.from_dlpack(self._export(arr, None))
+    return torch.utils.dlpack.from_dlpack(self._export(arr, self._stream_pointer(stream)))

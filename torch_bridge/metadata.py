@@ -65,16 +65,16 @@ class PagedAttentionMetadata:
   def check_values(self, num_tokens: int, num_blocks: int, block_size: int, on_cuda: bool):
     """kvjax's host checks of the values (``kvjax.validation.check_attention_metadata``) for
     ``num_tokens`` query tokens over a cache of ``num_blocks`` blocks, once per configuration.
-    CUDA tensors are read (a sync) only if ``on_cuda``."""
-    key = (num_tokens, num_blocks, block_size)
+    CUDA tensors are read (a sync) only if ``on_cuda``; without it there is nothing to check,
+    and that too is decided once per configuration."""
+    key = (num_tokens, num_blocks, block_size, on_cuda)
     if key in self._checked:
       return
     values = [checks.host_values(getattr(self, n), on_cuda)
               for n in ("query_start_loc", "seq_lens", "block_table")]
-    if any(v is None for v in values):
-      return
-    V.check_attention_metadata(*values, num_tokens=num_tokens, num_blocks=num_blocks,
-                               block_size=block_size, max_query_len=self.max_query_len)
+    if all(v is not None for v in values):
+      V.check_attention_metadata(*values, num_tokens=num_tokens, num_blocks=num_blocks,
+                                 block_size=block_size, max_query_len=self.max_query_len)
     self._checked.add(key)
 
   def padded(self, num_tokens: int):
