@@ -267,6 +267,8 @@ def bench_regime(name, seqs, ctx, cfg, dev, rng):
   ref = torch.from_dlpack(direct()).float().cpu()
   row["max_abs_diff"] = float((out - ref).abs().max())
   row["floor_max_abs_diff"] = float((torch.from_dlpack(floor()).float().cpu() - ref).abs().max())
+  _sync(dev)
+  step.backend.clear_cached_views()      # release every imported view before the next regime
   return row
 
 
