@@ -42,12 +42,14 @@ def round_clip_unsigned(v, hi: float, dtype=None, to_uint=None):
   ``floor(clip(v + 0.5, 0, hi))``: the same bits (below zero both give 0; above it
   :func:`round_half_away_from_zero` is ``floor(v + 0.5)``, and ``floor`` commutes with
   clipping to integers). ``dtype``: an unsigned integer type to convert to (the conversion
-  truncates, which is the floor of a non-negative value), else float32. ``to_uint``: the
-  float32 -> uint32 truncating conversion to use (a kernel's one-instruction form)."""
-  c = jnp.clip(v + 0.5, 0.0, hi)
+  truncates, which is the floor of a non-negative value), else float32. ``to_uint``: a
+  float32 -> uint32 conversion that truncates and saturates below at 0 (a kernel's
+  one-instruction form), which makes the lower clip its own."""
   if dtype is None:
-    return jnp.floor(c)
-  return (c.astype(jnp.uint32) if to_uint is None else to_uint(c)).astype(dtype)
+    return jnp.floor(jnp.clip(v + 0.5, 0.0, hi))
+  if to_uint is None:
+    return jnp.clip(v + 0.5, 0.0, hi).astype(jnp.uint32).astype(dtype)
+  return to_uint(jnp.minimum(v + 0.5, hi)).astype(dtype)
 
 
 def finite_max(dtype) -> float:

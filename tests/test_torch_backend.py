@@ -308,3 +308,42 @@ def test_backend_refusals(rng):
   misaligned = raw[skip:skip + raw.numel() - 64].view(backend.spec.physical_shape(B))
   with pytest.raises(ValueError, match="64"):
     backend.forward(q, misaligned, md, torch.empty_like(q))
+
+
+def _float32_step_errors(rng, device):
+  """Max |facade - float32 reference| / max |reference| of one ragged float32 step, under
+  torch's float32 matmul precision "highest" and "high" ({setting: error})."""
+  backend = tb.PagedAttentionBackend(HQ, H, D, N, "auto", "NHD", dtype=torch.float32)
+  cache = backend.allocate_kv_cache(B, device=device)
+  spec = backend.spec
+  slots = np.concatenate([np.arange(b * N, (b + 1) * N) for bl in SEQ_BLOCKS for b in bl])
+  k, v = (torch.from_numpy(rng.standard_normal((slots.size, H, D)).astype(np.float32)).to(device)
+          for _ in range(2))
+  backend.do_kv_cache_update(k, v, cache, torch.from_numpy(slots).to(device))
+  md = _metadata(torch.zeros(sum(Q_LENS), dtype=torch.int64, device=device), device)
+  q = torch.from_numpy(3 * rng.standard_normal((sum(Q_LENS), HQ, D)).astype(np.float32)).to(device)
+  sync(device)
+  with jax.default_matmul_precision("highest"):      # the reference: true float32 on the CPU
+    want = _reference_attention(on_cpu(q.cpu().numpy()), cache_array(cache, spec), spec, md,
+                                None, None, scale=backend.scale)
+  saved, errors = torch.get_float32_matmul_precision(), {}
+  try:
+    for setting in ("highest", "high"):
+      torch.set_float32_matmul_precision(setting)
+      out = torch.empty_like(q)
+      backend.forward(q, cache, md, out)
+      errors[setting] = float(np.abs(out.cpu().numpy() - want).max() / np.abs(want).max())
+  finally:
+    torch.set_float32_matmul_precision(saved)
+  return errors
+
+
+def test_float32_model_precision_follows_torch(rng, device):
+  """A float32 model and cache: with torch's default "highest" the facade computes in true
+  float32 (error at float32 rounding); on CUDA "high" (TensorFloat-32) is visibly coarser,
+  as torch's own float32 matmuls would be."""
+  errors = _float32_step_errors(rng, device)
+  print(f"float32 step on {device}: max rel. error vs float32 reference {errors}")
+  assert errors["highest"] < 2e-5
+  if torch.device(device).type == "cuda":
+    assert errors["high"] > 4 * errors["highest"] and errors["high"] < 5e-2

@@ -34,9 +34,10 @@ class Divider:
     return out
 
   def trunc_u32(self, x):
-    """float32 ``x`` in ``[0, 2**32)`` -> uint32 rounded toward zero (``astype``'s value)."""
+    """float32 ``x`` below ``2**32`` -> uint32 rounded toward zero, negative values (and NaN)
+    to 0: PTX's float -> integer conversions saturate (``astype``'s value in range)."""
     if not self.compiled:
-      return x.astype(jnp.uint32)
+      return jnp.where(x > 0, x, 0.0).astype(jnp.uint32)
     from jax.experimental.pallas import triton as pltriton
     [out] = pltriton.elementwise_inline_asm(   # Triton's inline asm returns signless ints
         "cvt.rzi.u32.f32 $0, $1;", args=[x], constraints="=r,f", pack=1,
