@@ -220,11 +220,13 @@ _OK_OPS = ("stablehlo.reshape", "stablehlo.bitcast_convert", "stablehlo.custom_c
            "func.func", "return ")
 
 
-def _cache_lines(text, numel):
-  """Lines of a StableHLO module that name a tensor of ``numel`` elements."""
+def _cache_lines(text, nbytes):
+  """Lines of a StableHLO module that name a tensor of ``nbytes`` bytes (the cache in any
+  element type: the write kernel sees one-byte caches as uint32 words)."""
   for line in text.splitlines():
-    for dims in re.findall(r"tensor<([\dx]+)x[a-z]\w*>", line):
-      if math.prod(int(d) for d in dims.split("x")) == numel:
+    for dims, etype in re.findall(r"tensor<([\dx]+)x([a-z]\w*)>", line):
+      width = re.search(r"\d+", etype)                   # ui8, bf16, f8E4M3FN, ui32, ...
+      if width and math.prod(int(d) for d in dims.split("x")) * int(width.group()) == 8 * nbytes:
         yield line.strip()
         break
 
@@ -251,7 +253,7 @@ def test_the_cuda_lowering_hands_the_whole_cache_to_the_kernel(op):
         max_query_len=1 if op == "decode" else 8, impl="pallas", interpret=False, layer=l)
     args, fn = (q, cache, i32(5), i32(4), i32(4, 3), i32()), jax.jit(f)
   text = export.export(fn, platforms=["cuda"], disabled_checks=_ALLOW)(*args).mlir_module()
-  lines = list(_cache_lines(text, math.prod(shape)))
+  lines = list(_cache_lines(text, math.prod(shape) * np.dtype(spec.storage_dtype).itemsize))
   assert any("custom_call @__gpu$xla.gpu.triton" in x for x in lines)
   bad = [x for x in lines if not any(op_name in x for op_name in _OK_OPS)]
   assert not bad, bad
