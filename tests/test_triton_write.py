@@ -45,6 +45,26 @@ def test_launch_configs_store_the_same_bytes(rng, cache_dtype):
     np.testing.assert_array_equal(got, want, err_msg=str(config))
 
 
+@pytest.mark.parametrize("cache_dtype,head_size,words", [
+    ("int4_per_token_head", 4, False), ("int4_per_token_head", 16, True),
+    ("int8_per_token_head", 6, False), ("int8_per_token_head", 80, True),
+    ("fp8_per_token_head", 20, True)])
+def test_word_and_byte_stores_write_the_reference_bytes(rng, cache_dtype, head_size, words):
+  """Row formats whose segments sit at multiples of 4 bytes are stored as uint32 words, the
+  others byte by byte: both store exactly the reference's bytes (poisoned cache, padding)."""
+  from pallas_kernels.triton.formats import TileFormat
+  spec = KVCacheSpec(3, head_size, 16, cache_dtype, "NHD")
+  assert TileFormat.of(spec).write_words == words
+  cache = poisoned_cache(rng, spec, NUM_BLOCKS)
+  t = 21
+  slots = _slots(rng, spec, t, pad=3)
+  key, value = random_kv(rng, spec, t + 3)
+  want = as_bytes(_ref_write(cache, key, value, slots, spec, None, None))
+  got = as_bytes(_kernel_write(cache, key, value, slots, spec))
+  np.testing.assert_array_equal(got, want)
+  assert (want != as_bytes(cache)).any()
+
+
 def test_donated_write_is_in_place():
   """Donated, the output aliases the cache (CPU, interpret mode); the CUDA lowering hands the
   cache buffer itself to the kernel (aliased, no bits view or copy of it in between)."""

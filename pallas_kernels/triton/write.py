@@ -19,10 +19,11 @@ tokens' slots, their K and V rows, quantizes them in registers and stores each s
 computed (row, column) indices and a mask. Formats whose row segments all sit at multiples of
 4 bytes (per-token-head int8 / fp8, int4: ``TileFormat.write_words``) see the table as uint32
 words (a free bitcast view of the cache): each thread packs 4 one-byte codes or 8 nibbles into
-a word and stores the scale as one word, instead of storing bytes. Only rows named by a slot in ``[0, B*N)`` are
-stored, and addresses are formed from in-range slots only (int32 never wraps); no other
-cache byte is read or written (on GPU masked lanes are not accessed; in interpret mode they
-point out of bounds and are dropped). In interpret mode the cache is stored through an
+a word and stores the scale as one word, instead of storing bytes. Only rows named by a slot
+in ``[0, B*N)`` are stored, and addresses are formed from in-range slots only (int32 never
+wraps); no other cache byte is read or written (on GPU masked lanes are not accessed; in
+interpret mode they point out of bounds and are dropped). In interpret mode the cache is stored
+through an
 unsigned-integer view: XLA on CPU converts bf16 / fp8 arrays it scatters into through float32,
 which would rewrite the NaN payloads of bytes the write does not name. (Compiled Triton stores
 move the stored bytes only.) Blocks have power-of-2 sizes: heads, head sizes and scale
