@@ -8,8 +8,9 @@ CPU smoke:   python benchmarks/bench_write.py --smoke      (tiny sizes, interpre
    and both layouts, plus the dequantize kernels == ``kvjax.views.dequantize_stored``;
 2. optimized HLO of the donated jitted write: any ``copy`` of the cache?
 3. bf16 write of 8192 tokens (H=8, D=128, N=16, NHD) into a 2 GB and a 32 GB cache, against
-   a measured device copy rate;
-4. nvfp4 quantize-on-write of 8192 tokens (HND).
+   a measured device copy rate (part "timing");
+5. every format's quantize-on-write of 8192 tokens, best of a launch-config sweep, next to
+   vLLM's writers where they run (part "formats").
 Timing: a jitted, cache-donating ``fori_loop`` of writes (4 rotating input sets a step, so
 nothing stays in L2), device time per write = loop time / writes, median of trials.
 Copy rate: an XLA device-to-device copy of 1 GiB, timed the same way (bytes written / s;
@@ -38,6 +39,7 @@ from kvjax import KVCacheSpec  # noqa: E402
 from kvjax import views  # noqa: E402
 from kvjax.reference import cache_update as ref  # noqa: E402
 from pallas_kernels.triton import write as cu  # noqa: E402
+from pallas_kernels.triton.formats import TileFormat  # noqa: E402
 from pallas_kernels.triton import dequant as dq  # noqa: E402
 
 LOG = []
@@ -209,7 +211,7 @@ def hlo_finding(spec, nb, t, interpret, log_dir):
   return out
 
 
-# -- 3./4. timing ---------------------------------------------------------------------------
+# -- 3./5. timing -----------------------------------------------------------------------------
 def device_time_per_write(spec, cache, inputs, iters, trials, interpret, config):
   """Median device seconds per write: a donated jitted fori_loop over rotating input sets."""
   ks, vs = ((jnp.float32(0.3), jnp.float32(0.2)) if spec.format.has_tensor_scales
@@ -337,7 +339,8 @@ def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm):
     wbytes, rbytes = moved_bytes(spec, t_tok)
     default = cu.default_config(spec)
     tried = []
-    splits = spec.cache_dtype in ("int4_per_token_head", "nvfp4")   # io.pairs users
+    fmt = TileFormat.of(spec)
+    splits = fmt.split and not fmt.write_words   # the formats whose encoders use io.pairs
     for cfg in ([default] + [c for c in configs if c != default and (splits or c.pair_split
                                                                     == default.pair_split)]):
       try:
@@ -407,7 +410,7 @@ def main():
   ap.add_argument("--md", default=None, help="write the markdown report here")
   ap.add_argument("--log-dir", default=None)
   ap.add_argument("--parts", default="checks,hlo,timing,formats",
-                  help="comma list of: checks, hlo, timing (bf16 cache sizes, nvfp4 configs), "
+                  help="comma list of: checks, hlo, timing (bf16 writes, cache sizes), "
                   "formats (the per-format table)")
   ap.add_argument("--json", default=None, help="write the per-format table here")
   ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's writers")
@@ -495,11 +498,10 @@ def main():
       log(f"     e.g. {ex[:200]}")
 
   # 3. bf16 write timing
-  log("\n## 3./4. timing")
+  log("\n## 3. timing")
   t_tok = 64 if smoke else 8192
   iters, trials = (1, 2) if smoke else (25, 7)
   bspec = KVCacheSpec(8, 128, 16, "auto", "NHD")
-  fspec = KVCacheSpec(8, 128, 16, "nvfp4", "HND")
   gib = 2**30
   sizes = {"2GB": 2 * gib, "32GB": 32 * gib} if not smoke else {"1MB": 2**20, "4MB": 2**22}
   small = next(iter(sizes))
@@ -507,32 +509,23 @@ def main():
   crate, ctime = copy_rate(copy_bytes, 2 if smoke else 50, trials)
   log(f"  device copy of {copy_bytes / 2**20:.0f} MiB: {ctime * 1e6:.1f} us, "
       f"{crate / 1e12:.3f} TB/s written ({2 * crate / 1e12:.3f} TB/s read+written)")
-  bf16_w = t_tok * bspec.num_kv_heads * bspec.content_dim * bspec.itemsize
-  bf16_r = 2 * t_tok * bspec.num_kv_heads * bspec.head_size * 2
-  fp4_w = t_tok * 2 * fspec.num_kv_heads * fspec.padded_head_size
-  fp4_r = 2 * t_tok * fspec.num_kv_heads * fspec.head_size * 2
+  bf16_w, bf16_r = moved_bytes(bspec, t_tok)
   configs = [cu.WriteConfig(tb, w) for tb in (1, 8) for w in (2, 4)]
-  fp4_configs = [cu.WriteConfig(tb, w, pair_split=ps) for ps in (False, True) for tb in (1, 2)
-                 for w in (2, 4, 8)]
   if smoke:
-    configs, fp4_configs = configs[:2], fp4_configs[::6]
-  quant_runs = [(fspec, fp4_configs)] + [
-      (KVCacheSpec(8, 128, 16, cd, "NHD"), [cu.WriteConfig()]) for cd in (
-          "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "fp8")]
+    configs = configs[:2]
   table = []   # (what, cache, config, us, written TB/s, r+w TB/s, % of copy)
 
-  def record(what, cache_name, cfg, sec, wbytes, rbytes, base):
+  def record(what, cache_name, cfg, sec, wbytes, rbytes):
     wr, rw = wbytes / sec, (wbytes + rbytes) / sec
-    pct = 100 * (wr / crate if base == "w" else rw / (2 * crate))
-    table.append((what, cache_name, f"tb={cfg.tokens_per_program},w={cfg.num_warps}"
-                  + (",split" if cfg.pair_split else ""),
+    pct = 100 * wr / crate
+    table.append((what, cache_name, f"tb={cfg.tokens_per_program},w={cfg.num_warps}",
                   sec * 1e6, wr / 1e12, rw / 1e12, pct))
     log(f"  {what:9s} {cache_name:5s} tb={cfg.tokens_per_program} warps={cfg.num_warps}: "
-        f"{'split ' if cfg.pair_split else ''}{sec * 1e6:8.1f} us  written {wr / 1e12:.3f} TB/s  r+w {rw / 1e12:.3f} TB/s  "
-        f"{pct:5.1f}% of copy ({'written' if base == 'w' else 'r+w'})")
+        f"{sec * 1e6:8.1f} us  written {wr / 1e12:.3f} TB/s  r+w {rw / 1e12:.3f} TB/s  "
+        f"{pct:5.1f}% of copy (written)")
 
   if "timing" not in parts:
-    sizes, quant_runs = {}, []
+    sizes = {}
   best = {}
   for name, nbytes in sizes.items():
     nb = nbytes // bspec.page_bytes
@@ -547,7 +540,7 @@ def main():
         log(f"  bf16 {name} {cfg}: ERROR {type(e).__name__}: {str(e)[:300]}")
         LOG.append(traceback.format_exc())
         continue
-      record("bf16", name, cfg, sec, bf16_w, bf16_r, "w")
+      record("bf16", name, cfg, sec, bf16_w, bf16_r)
       if name == small and (("bf16" not in best) or sec < best["bf16"][0]):
         best["bf16"] = (sec, cfg)
     k, v, s = inputs[0]
@@ -560,23 +553,6 @@ def main():
     except Exception as e:   # noqa: BLE001
       log(f"  bf16 call {name}: ERROR {type(e).__name__}: {str(e)[:300]}")
       LOG.append(traceback.format_exc())
-    del cache, inputs
-
-  for qspec, qconfigs in quant_runs:
-    nb = sizes[small] // qspec.page_bytes
-    cache = fill_cache(qspec, nb)
-    inputs = make_inputs(rng, qspec, nb, t_tok, 4)
-    qw = t_tok * qspec.page_bytes // qspec.block_size
-    qname = {"nvfp4": "nvfp4"}.get(qspec.cache_dtype, qspec.cache_dtype.replace(
-        "_per_token_head", "_pth"))
-    for cfg in qconfigs:
-      try:
-        sec, cache = device_time_per_write(qspec, cache, inputs, iters, trials, interpret, cfg)
-      except Exception as e:   # noqa: BLE001
-        log(f"  {qname} {cfg}: ERROR {type(e).__name__}: {str(e)[:300]}")
-        LOG.append(traceback.format_exc())
-        continue
-      record(qname, small, cfg, sec, qw, fp4_r, "rw")
     del cache, inputs
 
   format_rows = []
@@ -621,14 +597,12 @@ def main():
     lines.append(f"- {name}: copy ops {n_copy}, of the cache shape {n_cache_copy}, "
                  f"input_output_alias: {alias}" + (f"; e.g. `{examples[0][:160]}`" if examples
                                                    else ""))
-  lines += ["", "## 3./4. Timing (device time per write, median)", "",
+  lines += ["", "## 3. Timing of bf16 writes (device time per write, median)", "",
             f"Device copy ({copy_bytes / 2**20:.0f} MiB, XLA): {ctime * 1e6:.1f} us, "
             f"{crate / 1e12:.3f} TB/s written, {2 * crate / 1e12:.3f} TB/s read+written.", "",
             f"bf16: {t_tok} tokens, H=8, D=128, N=16, NHD: {bf16_w / 1e6:.1f} MB written, "
-            f"{bf16_r / 1e6:.1f} MB read; % = written/s over copy's written/s.",
-            f"nvfp4: {t_tok} tokens, H=8, D=128, N=16, HND: {fp4_w / 1e6:.1f} MB written, "
-            f"{fp4_r / 1e6:.1f} MB read; % = (read+written)/s over copy's (read+written)/s "
-            "(the same for the other quantized formats, NHD, 1 token a program, 4 warps).", "",
+            f"{bf16_r / 1e6:.1f} MB read; % = written/s over copy's written/s (every format: "
+            "section 5).", "",
             "| write | cache | config | us | written TB/s | r+w TB/s | % of copy |",
             "|---|---|---|---|---|---|---|"]
   for row in table:
