@@ -142,10 +142,12 @@ class _IO:
     return c, jnp.minimum(c, n_valid - 1), c < n_valid
 
   def rows(self, side: int, cols, dtype=jnp.float32):
-    """Gather ``src[src_row, cols]`` -> ``[rows, len(cols)]`` converted to ``dtype``."""
-    shape = (self.src_row.shape[0], cols.shape[0])
-    x = pltriton.load(self.sources[side].at[jnp.broadcast_to(self.src_row[:, None], shape),
-                                            jnp.broadcast_to(cols[None, :], shape)])
+    """Gather ``src[src_row, cols]`` -> ``[rows, *cols.shape]`` converted to ``dtype``
+    (``cols``: column indices of any shape)."""
+    shape = self.src_row.shape + cols.shape
+    row = self.src_row.reshape(self.src_row.shape + (1,) * cols.ndim)
+    x = pltriton.load(self.sources[side].at[jnp.broadcast_to(row, shape),
+                                            jnp.broadcast_to(cols[None], shape)])
     return x.astype(dtype)
 
   def groups(self, side: int, num_groups: int, size: int, num_cols: int):
@@ -158,10 +160,7 @@ class _IO:
          + jnp.arange(size, dtype=_I32)[None, :])
     if num_groups * size != num_cols:
       c = jnp.minimum(c, num_cols - 1)
-    shape = (self.src_row.shape[0], num_groups, size)
-    x = pltriton.load(self.sources[side].at[jnp.broadcast_to(self.src_row[:, None, None], shape),
-                                            jnp.broadcast_to(c[None], shape)])
-    return x.astype(jnp.float32)
+    return self.rows(side, c)
 
   def pairs(self, side: int, num_pairs: int, num_cols: int):
     """Even and odd elements ``[rows, num_pairs]`` (float32) of source rows with ``num_cols``
