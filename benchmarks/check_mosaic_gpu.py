@@ -114,7 +114,7 @@ def cuda_info() -> dict:
     return dict(cuda_versions=first_lines(e, 1))
 
 
-def run_checks():
+def run_checks(only_pv=None):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -135,6 +135,7 @@ def run_checks():
     if scales is not None:
       kw.update(k_scale=scales, v_scale=scales)
     variants = PV_VARIANTS if cache_dtype == "auto" else (DEFAULT_PV,)
+    variants = tuple(v for v in variants if only_pv is None or v in only_pv)
     try:
       spec = kvjax.KVCacheSpec(h, d, n, cache_dtype, layout=layout, dtype=dtype)
       args = P.paged_batch(rng, spec, ql, cl, h * g, pad=pad, fill="nan", scales=scales)
@@ -193,6 +194,9 @@ def run_bench(smoke: bool = False):
             f = ours_fn(spec, scale, mql, pv=pv)
             timed(f"Mosaic GPU (ours, {pv}) NHD", problem,
                   lambda: time_jax(f, *args, **timing), flops)
+        f = ours_fn(spec, scale, mql, ping_pong=False)   # the schedule's own gain
+        timed(f"Mosaic GPU (ours, {DEFAULT_PV}, no ping-pong) NHD", problem,
+              lambda: time_jax(f, *args, **timing), flops)
       del args
     if len(set(ql)) == 1 and not any(cl):     # dense peers: equal-length causal prefills
       for impl, thunk in P.dense_peers(len(ql), ql[0], timing):
@@ -346,11 +350,13 @@ def main():
   ap.add_argument("--only", choices=sorted(PARTS), help="run only this part (parent mode)")
   ap.add_argument("--quant-only", action="store_true",
                   help="rule part: only the per-format prefill")
+  ap.add_argument("--pv", default=None,
+                  help="checks part: comma-separated P.V variants to check (default: all)")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny timing problems (CPU: checks the plumbing, every GPU item fails)")
   args = ap.parse_args()
   if args.part == "checks":
-    run_checks()
+    run_checks(args.pv.split(",") if args.pv else None)
     return
   if args.part == "bench":
     run_bench(args.smoke)
@@ -366,7 +372,8 @@ def main():
   for part, limit in PARTS.items():
     if args.only and part != args.only:
       continue
-    extra = (["--smoke"] if args.smoke else []) + (["--quant-only"] if args.quant_only else [])
+    extra = ((["--smoke"] if args.smoke else []) + (["--quant-only"] if args.quant_only else [])
+             + (["--pv", args.pv] if args.pv else []))
     rows, status = run_part(part, limit, extra)
     result["parts"][part] = status
     result["rows"] += rows

@@ -12,12 +12,20 @@ One CUDA block per (KV head, query tile) (:mod:`pallas_kernels.mosaic_gpu.tiles`
   interpret mode checks);
 * each **consumer** warpgroup owns 64 rows of the tile: it loads its q slabs once (TMA into
   untiled shared memory, then registers into the tiled buffer wgmma reads: a tile starts at
-  any token, see tiles.py "Alignment"), then per step waits for the K slot, computes
-  ``S = q K^T`` with wgmma (float32 accumulators in registers), releases K, applies scale,
-  soft cap and the causal / window / sequence-end mask (only on steps that cross an edge),
-  updates the online softmax in the exp2 domain, waits for V, and accumulates ``P V`` with
-  wgmma (``tiles.PV_VARIANTS``: P in registers or through shared memory, accumulated in
-  place or into a fresh accumulator).
+  any token, see tiles.py "Alignment"), then per step computes ``S = q K^T`` with wgmma
+  (float32 accumulators in registers), releases K, applies scale, soft cap and the causal /
+  window / sequence-end mask (only on steps that cross an edge), updates the online softmax
+  in the exp2 domain, waits for V, and accumulates ``P V`` with wgmma
+  (``tiles.PV_VARIANTS``: P in registers or through shared memory, accumulated in place or
+  into a fresh accumulator), waiting for the next step's K while that wgmma runs.
+
+With two consumer warpgroups their tensor-core work alternates (FlashAttention-3's
+"ping-pong"): a two-arrival *schedule* barrier that each passes once after issuing its
+``q K^T`` and once after its softmax orders the wgmmas as wg0 qK, wg1 qK, wg0 PV, wg0 qK
+(next step), wg1 PV, ..., so one warpgroup's softmax runs while the other's products occupy
+the tensor cores. Warpgroup 1 passes the barrier once before its first step and warpgroup 0
+once after its last, so both pass it ``2 * steps + 1`` times (both walk the same key steps:
+their rows are other heads of the same tokens).
 
 Keys past the sequence end in the last step are whatever the cache holds there (stale
 bytes, NaN): their scores are selected away, and the V rows of that step past the end are
@@ -63,6 +71,7 @@ class KernelStatics:
   dtype: object              # q / cache element dtype (16-bit)
   interpret: bool = False    # Mosaic GPU interpret mode (CPU)
   pv: str = TL.DEFAULT_PV      # one of tiles.PV_VARIANTS
+  ping_pong: bool = True     # two consumer warpgroups alternate on the tensor cores
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:
@@ -89,7 +98,8 @@ def _kv_box(cache_ref, st: KernelStatics, blk, h, off, n, side):
 
 def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
             st: KernelStatics):
-  (q_smem, o_smem, k_smem, v_smem, p_smem), q_bars, (k_bars, v_bars), (k_free, v_free) = scratch
+  ((q_smem, o_smem, k_smem, v_smem, p_smem), q_bars, (k_bars, v_bars), (k_free, v_free),
+   sched_bar) = scratch
   geo = st.geo
   g_count, bq, bk, d = geo.group, geo.bq, geo.block_kv, st.head_size
   cast = plgpu.layout_cast
@@ -103,7 +113,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
   kv_len = meta_ref[TL.META_KV_LEN, tile]
   bt_row = meta_ref[TL.META_BT_ROW, tile]
 
-  # Key steps of the tile [j_lo, j_hi), and [b, c): steps every real row sees in full.
+  # Key steps of the tile [j_lo, j_hi), and [b, c_end): steps every real row sees in full.
   pos_last = pos0 + nq - 1
   kv_hi = jnp.minimum(kv_len, pos_last + 1) if st.causal else kv_len
   kv_lo = jnp.maximum(pos0 - st.window + 1, 0) if st.window else jnp.int32(0)
@@ -113,7 +123,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
              if st.window else j_lo)
   full_end = jnp.minimum(pos0 + 1, kv_len) if st.causal else kv_len
   b = jnp.clip(full_lo, j_lo, j_hi)
-  c = jnp.clip(lax.div(full_end, bk), b, j_hi)
+  c_end = jnp.clip(lax.div(full_end, bk), b, j_hi)
   num_steps = j_hi - j_lo
 
   @pl.when(wg < geo.num_wgs)
@@ -154,17 +164,31 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
       l0 = cast(jnp.zeros((TL.WG_ROWS,), jnp.float32), row_layout)
     acc0 = cast(jnp.zeros((TL.WG_ROWS, d), jnp.float32), wgmma_layout)
 
+    ping_pong = sched_bar is not None
+
+    def pass_schedule():   # both consumer warpgroups meet here (a two-arrival barrier)
+      plgpu.barrier_arrive(sched_bar)
+      plgpu.barrier_wait(sched_bar)
+
+    # Scores enter the exp2 domain scaled by scale * log2(e): without a soft cap the factor
+    # folds into the exponent's fused multiply-add (max(s) * f == max(s * f) for f > 0);
+    # with one, s is scaled before the tanh.
+    fold = st.soft_cap is None and st.scale > 0
+    to_log2 = (lambda x: x * (st.scale * _LOG2E)) if fold else (lambda x: x)
+
     def step(j, carry, masked: bool):
       acc, m, l = carry
-      slot = lax.rem(j - j_lo, geo.stages)
-      plgpu.barrier_wait(k_bars.at[slot])
+      slot = lax.rem(j - j_lo, geo.stages)   # its K was waited for by the step before
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
+        if ping_pong:
+          pass_schedule()        # the other warpgroup's wgmmas are issued next
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      s = s * (st.scale * _LOG2E)
+      if not fold:
+        s = s * (st.scale * _LOG2E)
       if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
         cap = st.soft_cap * _LOG2E
         s = cap * jnp.tanh(s * (1.0 / cap))
@@ -176,13 +200,28 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
         if st.window:
           vis = vis & (q_pos - key < st.window)
         s = jnp.where(vis, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1))
+      m_new = jnp.maximum(m, to_log2(s.max(axis=1)))
       alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0]))
-      l = l * alpha + p.sum(axis=1)
+      p = jnp.exp2(to_log2(s) - lax.broadcast_in_dim(m_new, shape, [0]))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha
       p16 = p.astype(st.dtype)
-      plgpu.barrier_wait(v_bars.at[slot])
+
+      def end_softmax():         # the tensor cores are this warpgroup's again after this
+        if ping_pong:
+          plgpu.barrier_arrive(sched_bar)
+        plgpu.barrier_wait(v_bars.at[slot])
+        if ping_pong:
+          plgpu.barrier_wait(sched_bar)
+      # The order of the row sum and the barriers, and the optimization barrier that pins
+      # it, are FlashAttention-3's (JAX's attention_mgpu measured them to matter).
+      if d <= 128:
+        l = l + p.sum(axis=1)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        end_softmax()
+      else:
+        end_softmax()
+        l = l + p.sum(axis=1)
       if masked:
         @pl.when((j + 1) * bk > kv_len)
         def _zero_v_past_end():   # 64 rows at a time: fewer live registers
@@ -193,15 +232,27 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
             v_ref[...] = jnp.where(keep, v_ref[...], 0).astype(st.dtype)
           plgpu.commit_smem()
 
+      def wait_next_k():         # while the P V wgmma runs
+        @pl.when(j + 1 < j_hi)
+        def _():
+          plgpu.barrier_wait(k_bars.at[lax.rem(j + 1 - j_lo, geo.stages)])
+
       acc = _accumulate_pv(acc, p16, v_smem.at[slot],
-                           None if p_smem is None else p_smem.at[wg], st.pv)
+                           None if p_smem is None else p_smem.at[wg], st.pv, wait_next_k)
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
+    @pl.when(num_steps > 0)
+    def _first_k():
+      plgpu.barrier_wait(k_bars.at[0])
+    if ping_pong:
+      pl.when(wg == 1)(pass_schedule)     # warpgroup 0 issues first
     carry = (acc0, m0, l0)
     carry = lax.fori_loop(j_lo, b, lambda j, cr: step(j, cr, True), carry)
-    carry = lax.fori_loop(b, c, lambda j, cr: step(j, cr, False), carry)
-    acc, _, l = lax.fori_loop(c, j_hi, lambda j, cr: step(j, cr, True), carry)
+    carry = lax.fori_loop(b, c_end, lambda j, cr: step(j, cr, False), carry)
+    acc, _, l = lax.fori_loop(c_end, j_hi, lambda j, cr: step(j, cr, True), carry)
+    if ping_pong:
+      pl.when(wg == 0)(pass_schedule)     # the pass warpgroup 1 made before its first step
 
     l_safe = jnp.where(l > 0, l, 1.0)
     out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
@@ -219,29 +270,38 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
     plgpu.set_max_registers(40, action="decrease")
     piece = geo.piece
 
-    def issue(i, slot, side, bars):
-      j = j_lo + i
+    def block_ids(i):
+      """The block of each piece of step ``j_lo + i``, all loaded before any copy is issued
+      (the loads overlap; K and V of the step share them)."""
+      ids = []
       for p in range(geo.pieces_per_step):
-        key0 = j * bk + p * piece
-        page = jnp.minimum(lax.div(key0, geo.block_size), st.max_blocks - 1)
-        blk = jnp.clip(bt_ref[bt_row + page], 0, st.num_blocks - 1)
-        src = _kv_box(cache_ref, st, blk, h, lax.rem(key0, geo.block_size), piece, side)
+        page = jnp.minimum(lax.div((j_lo + i) * bk + p * piece, geo.block_size),
+                           st.max_blocks - 1)
+        ids.append(jnp.clip(bt_ref[bt_row + page], 0, st.num_blocks - 1))
+      return ids
+
+    def issue(i, slot, side, bars, ids):
+      for p, blk in enumerate(ids):
+        off = lax.rem((j_lo + i) * bk + p * piece, geo.block_size)
+        src = _kv_box(cache_ref, st, blk, h, off, piece, side)
         dst = (k_smem if side == 0 else v_smem).at[slot, pl.ds(p * piece, piece)]
         plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
 
     for i in range(geo.stages):
       @pl.when(i < num_steps)
       def _prologue():
-        issue(i, i, 0, k_bars)
-        issue(i, i, 1, v_bars)
+        ids = block_ids(i)
+        issue(i, i, 0, k_bars, ids)
+        issue(i, i, 1, v_bars, ids)
 
     @pl.loop(geo.stages, num_steps)
     def _steady(i):
       slot = lax.rem(i, geo.stages)
+      ids = block_ids(i)
       plgpu.barrier_wait(k_free.at[slot])
-      issue(i, slot, 0, k_bars)
+      issue(i, slot, 0, k_bars, ids)
       plgpu.barrier_wait(v_free.at[slot])
-      issue(i, slot, 1, v_bars)
+      issue(i, slot, 1, v_bars, ids)
 
     @pl.loop(jnp.maximum(num_steps - geo.stages, 0), num_steps)
     def _drain(i):   # the last `stages` releases: no barrier phase is left unobserved
@@ -250,18 +310,20 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
       plgpu.barrier_wait(v_free.at[slot])
 
 
-def _accumulate_pv(acc, p16, v_ref, p_ref, pv: str):
+def _accumulate_pv(acc, p16, v_ref, p_ref, pv: str, while_running):
   """``acc + p16 @ v_ref`` with wgmma, issued as the variant ``pv`` (``tiles.PV_VARIANTS``).
 
   acc: float32 ``(64, D)`` (WGMMA layout); p16: ``(64, block_kv)`` in q's dtype; v_ref: the
   ``(block_kv, D)`` V slot; p_ref: this warpgroup's ``(64, block_kv)`` P buffer (None for
-  "p_regs"). Every variant returns only after its wgmma has completed (``run_state`` /
-  reading the accumulator wait for it), so the caller may release the V slot and the next
-  step may overwrite ``p_ref``.
+  "p_regs"); while_running: called once the wgmma is issued, before it is waited for.
+  Every variant returns only after its wgmma has completed (``run_state`` / reading the
+  accumulator wait for it), so the caller may release the V slot and the next step may
+  overwrite ``p_ref``.
   """
   if pv == TL.PV_REGS:
     def pv_in_place(acc_ref):
       plgpu.wgmma(acc_ref, p16, v_ref)
+      while_running()
     return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
 
   p_ref[...] = p16
@@ -269,10 +331,12 @@ def _accumulate_pv(acc, p16, v_ref, p_ref, pv: str):
   if pv == TL.PV_SMEM:
     def pv_smem_in_place(acc_ref):
       plgpu.wgmma(acc_ref, p_ref, v_ref)
+      while_running()
     return pl.run_state(pv_smem_in_place)(plgpu.ACC.init(acc))
 
   def pv_fresh(acc_ref):
     plgpu.wgmma(acc_ref, p_ref, v_ref)
+    while_running()
     return acc_ref[...]
   return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
 
@@ -313,15 +377,17 @@ def ragged_attention_call(meta, block_table_flat, sinks, q, cache, *, st: Kernel
           None if st.pv == TL.PV_REGS else
           _smem_tiled((geo.num_wgs, TL.WG_ROWS, geo.block_kv), st.dtype))
 
-  def entry(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref):
+  sched_bar = plgpu.Barrier(num_arrivals=2) if st.ping_pong and geo.num_wgs == 2 else None
+
+  def kvjax_mgpu_ragged(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref):
     pl.run_scoped(
         lambda *scratch: _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref,
                                  scratch, st=st),
-        smem, q_bars, (kv_bars, kv_bars), (free_bars, free_bars),
+        smem, q_bars, (kv_bars, kv_bars), (free_bars, free_bars), sched_bar,
         collective_axes="wg")
 
   return plgpu.kernel(
-      entry,
+      kvjax_mgpu_ragged,
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(st.num_kv_heads, st.num_tiles),
       grid_names=("head", "tile"),

@@ -127,7 +127,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       bucket sets the tile's token count.
     interpret: run in Mosaic GPU interpret mode on CPU (jax >= 0.11; slow, small shapes).
     pv: how the kernel issues ``acc += P V``, one of ``tiles.PV_VARIANTS`` (None:
-      ``tiles.DEFAULT_PV``; interpret mode runs only "p_smem_fresh").
+      ``tiles.default_pv(interpret)``; interpret mode runs only "p_smem_fresh").
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
   """
@@ -142,9 +142,11 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  block_table, scale, causal=True, sliding_window=None,
                                  soft_cap=None, sinks=None, k_scale=None, v_scale=None,
                                  max_query_len=None, interpret=False, pv=None,
-                                 geometry: TL.TileGeometry | None = None):
+                                 geometry: TL.TileGeometry | None = None,
+                                 ping_pong: bool = True):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
-  :func:`tiles.choose_geometry`), for benchmark sweeps."""
+  :func:`tiles.choose_geometry`) and the ping-pong schedule of two consumer warpgroups
+  switchable (``kernel.py``), for benchmark sweeps."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
@@ -156,7 +158,7 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   if d != spec.head_size:
     raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
   group = hq // h
-  pv = TL.DEFAULT_PV if pv is None else pv
+  pv = TL.default_pv(interpret) if pv is None else pv
   if pv not in TL.PV_VARIANTS:
     raise ValueError(f"pv must be one of {TL.PV_VARIANTS} or None, got {pv!r}")
   reason = spec_reason(spec, q.dtype, group)
@@ -187,7 +189,8 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       num_blocks=spec.num_blocks_of(cache), max_blocks=max_blocks, num_tiles=num_tiles,
       causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
-      scale=float(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv)
+      scale=float(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv,
+      ping_pong=bool(ping_pong))
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   return K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk, q, cache,

@@ -41,9 +41,17 @@ MAX_GROUP = 2 * WG_ROWS // MIN_BQ    # 16 query heads per KV head at most
 #: "p_smem": P is stored to a per-warpgroup shared-memory buffer, acc updated in place;
 #: "p_smem_fresh": P through shared memory, the product into a fresh zero accumulator that
 #:   is then added to acc in registers (the only form Mosaic GPU interpret mode runs).
+#: Compiled, the kernel defaults to "p_regs" (the fastest on the H200, benchmarks/RESULTS.md);
+#: interpret mode to "p_smem_fresh" (:func:`default_pv`).
 PV_REGS, PV_SMEM, PV_SMEM_FRESH = "p_regs", "p_smem", "p_smem_fresh"
 PV_VARIANTS = (PV_REGS, PV_SMEM, PV_SMEM_FRESH)
-DEFAULT_PV = PV_SMEM_FRESH
+DEFAULT_PV = PV_REGS
+
+
+def default_pv(interpret: bool) -> str:
+  """The P V variant a call without ``pv`` runs: :data:`DEFAULT_PV` compiled, the one form
+  Mosaic GPU interpret mode takes otherwise."""
+  return PV_SMEM_FRESH if interpret else DEFAULT_PV
 
 #: Rows of the metadata array handed to the kernel, one column per tile.
 META_TOK0, META_NQ, META_POS0, META_KV_LEN, META_BT_ROW = range(5)
