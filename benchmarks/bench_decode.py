@@ -1,24 +1,30 @@
-"""Decode benchmark of the paged decode kernel, every cache format, side by side with vLLM 0.28.
+"""Decode benchmark of the paged decode kernels, every cache format, side by side with vLLM 0.28.
 
 GPU (H200):  PYTHONUNBUFFERED=1 python benchmarks/bench_decode.py [--json PATH]
-             [--shapes 64x4096,...] [--formats bfloat16,fp8,...] [--no-vllm] [--no-peers]
+             [--shapes 64x4096,...] [--formats bfloat16,fp8,...] [--kernels triton,mosaic_gpu]
+             [--no-vllm] [--no-peers] [--no-checks]
 CPU smoke:   python benchmarks/bench_decode.py --smoke
+
+Kernels (``--kernels``): ``triton`` (``pallas_kernels.triton.decode``, every format) and
+``mosaic_gpu`` (``pallas_kernels.mosaic_gpu.decode``: the formats with Mosaic GPU hooks, on
+jax >= 0.11 and an sm90+ GPU; skipped with the reason elsewhere).
 
 GPU mode, in one run:
   1. the device copy ceiling (torch, bytes read + written per second) and the host dispatch
      floor of one jitted call;
   2. the per-format table: Hq=32, H=8, D=128, block 16, batch x context in SHAPES, pages
-     shuffled; every cache format and layout with its default config: µs per step, tokens/s
-     relative to the bf16 cache of the same layout, TB/s of the format's own bytes (data and
-     scales: ``batch * context * page_bytes / block_size``), and vLLM 0.28's Triton kernel on
-     the very same cache buffer (best of its 2-D and split-KV paths) where vLLM has the
-     format and its kernels are found (benchmarks/vllm_peer.py);
+     shuffled; every cache format and layout, every kernel that runs it, default configs:
+     µs per step, tokens/s relative to the bf16 cache of the same layout and kernel, TB/s of
+     the format's own bytes (data and scales: ``batch * context * page_bytes / block_size``),
+     and vLLM 0.28's Triton kernel on the very same cache buffer (best of its 2-D and
+     split-KV paths; once per problem) where vLLM has the format and its kernels are found
+     (benchmarks/vllm_peer.py);
   3. peers on bf16: JAX's built-in Pallas ``paged_attention`` (its own [H, pages, N, D] K and V
      arrays) and torch SDPA on dense KV (GQA through enable_gqa);
-  4. compiled correctness of ours vs ``kvjax.reference.unified_attention`` on small problems
-     (every cache dtype, both layouts, GQA 1/4/7, head sizes 64..256, window, soft cap, sinks);
-     the kernel reads a poisoned cache (unwritten slots random bytes / NaN), the reference a
-     clean copy holding the same tokens.
+  4. compiled correctness of each kernel vs ``kvjax.reference.unified_attention`` on small
+     problems (every cache dtype the kernel takes, both layouts, GQA 1/4/7/8/16, head sizes
+     64..256, window, soft cap, sinks, several splits); the kernel reads a poisoned cache
+     (unwritten slots random bytes / NaN), the reference a clean copy holding the same tokens.
 JAX timings chain CHAIN decode steps in one jitted program (each step's output is the next
 step's query) and divide; torch timings use CUDA events (triton.testing.do_bench).
 Kernel configurations are compared by benchmarks/sweep_decode.py.
@@ -44,6 +50,31 @@ from benchmarks import common  # noqa: E402
 from pallas_kernels.triton.decode import paged_decode_attention  # noqa: E402
 from benchmarks import vllm_peer  # noqa: E402
 from pallas_kernels.triton.decode_config import DEFAULT_CONFIG, DecodeConfig  # noqa: E402
+
+KERNELS = ("triton", "mosaic_gpu")
+
+
+def kernel_fn(kernel: str):
+  """The decode entry of ``kernel``: ``fn(q, cache, spec, *, seq_lens, block_table, scale,
+  ..., interpret, config)`` (the Mosaic GPU kernel takes no Triton config)."""
+  if kernel == "triton":
+    return paged_decode_attention
+  from pallas_kernels.mosaic_gpu.decode import paged_decode_attention as mgpu_decode
+
+  def fn(q, cache, spec, *, config=None, interpret=False, **kw):
+    del config
+    return mgpu_decode(q, cache, spec, interpret=interpret, **kw)
+  return fn
+
+
+def kernel_reason(kernel: str, spec, group: int):
+  """None when ``kernel`` runs ``spec`` here (compiled), else why not."""
+  if kernel == "triton":
+    return None
+  from pallas_kernels.mosaic_gpu.decode import decode_reason
+  from pallas_kernels.mosaic_gpu.ragged_attention import supports_attention
+  q_dtype = jnp.float16 if spec.cache_dtype == "float16" else jnp.bfloat16
+  return decode_reason(spec, q_dtype, group) or supports_attention(spec, q_dtype)
 
 SHAPES = ((64, 4096), (128, 2048), (16, 16384), (8, 32768), (256, 1024))
 HQ, H, D, N = 32, 8, 128, 16
@@ -103,15 +134,32 @@ CHECKS = (
     ("int4_per_token_head", "NHD", 2, 4, 128, 16, None, None, True, None,
      DecodeConfig(num_splits=1)),
     ("nvfp4", "HND", 2, 4, 128, 16, 50, None, False, 0.5, DecodeConfig(num_splits=1)),
+    # the Mosaic GPU kernel's own cases (its query columns, page pieces, splits); config is
+    # the split count there
+    ("bfloat16", "NHD", 2, 8, 128, 16, None, None, True, None, 3),
+    ("bfloat16", "HND", 2, 16, 64, 48, 70, None, False, None, None),
+    ("float16", "HND", 3, 5, 128, 128, None, 10.0, False, None, 2),
+    ("fp8", "NHD", 4, 1, 256, 32, 90, None, True, "perhead", 4),
+    ("fp8_e5m2", "NHD", 2, 4, 128, 64, None, None, False, 0.5, None),
 )
 
 
-def run_checks(rng, interpret, checks=CHECKS, lens=(1, 37, 300, 0, 64), config=None):
+def run_checks(rng, interpret, checks=CHECKS, lens=(1, 37, 300, 0, 64), config=None,
+               kernel="triton"):
   results = []
+  fn = kernel_fn(kernel)
   for cd, layout, h, g, d, n, win, cap, sinks, ks, cfg in checks:
-    cfg = cfg or config
+    if isinstance(cfg, int) if kernel == "triton" else isinstance(cfg, DecodeConfig):
+      continue                      # another kernel's own case
     spec = kvjax.KVCacheSpec(num_kv_heads=h, head_size=d, block_size=n, cache_dtype=cd,
                              layout=layout, dtype=jnp.float16 if cd == "float16" else jnp.bfloat16)
+    if kernel_reason(kernel, spec, g) is not None:
+      continue
+    extra = {}
+    if kernel == "triton":
+      extra["config"] = cfg or config
+    elif cfg is not None:
+      extra["num_splits"] = cfg
     if ks == "perhead":
       ks = jnp.asarray(rng.uniform(0.25, 2.0, h), jnp.float32)
     q, clean, poison, sl, bt = check_problem(rng, spec, lens, g, ks)
@@ -119,12 +167,13 @@ def run_checks(rng, interpret, checks=CHECKS, lens=(1, 37, 300, 0, 64), config=N
     kw = dict(seq_lens=sl, block_table=bt, scale=d ** -0.5, sliding_window=win, soft_cap=cap,
               sinks=sk, k_scale=ks, v_scale=ks)
     try:
-      ours = jax.jit(lambda q, c, kw=kw, spec=spec, cfg=cfg: paged_decode_attention(
-          q, c, spec, interpret=interpret, config=cfg, **kw))(q, poison)
+      ours = jax.jit(lambda q, c, kw=kw, spec=spec, extra=extra: fn(
+          q, c, spec, interpret=interpret, **extra, **kw))(q, poison)
     except Exception as e:  # noqa: BLE001 - report and go on with the other checks
-      print(f"check {cd} {layout} D={d}: ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
-      results.append({"cache_dtype": cd, "layout": layout, "D": d, "ok": False,
-                      "error": f"{type(e).__name__}: {str(e)[:300]}"})
+      print(f"check {kernel} {cd} {layout} D={d}: ERROR {type(e).__name__}: {str(e)[:1500]}",
+            flush=True)
+      results.append({"kernel": kernel, "cache_dtype": cd, "layout": layout, "D": d,
+                      "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
       continue
     ref = ref_attention(q, clean, spec, query_start_loc=jnp.arange(len(lens) + 1,
                                                                    dtype=jnp.int32), **kw)
@@ -134,12 +183,14 @@ def run_checks(rng, interpret, checks=CHECKS, lens=(1, 37, 300, 0, 64), config=N
     tol = 1e-4 if spec.storage_dtype == np.float32 else 2e-2
     zero = [i for i, ln in enumerate(lens) if ln == 0]
     ok = bool(np.isfinite(o).all()) and err < tol and not np.any(o[zero])  # seq_len 0 -> 0
-    line = (f"check {cd:20s} {layout} H={h} G={g} D={d} N={n} win={win} cap={cap} "
-            f"sinks={sinks} cfg={cfg_name(cfg or DEFAULT_CONFIG)}: relerr {err:.2e} "
-            f"{'OK' if ok else 'FAIL'}")
+    how = (cfg_name(extra["config"] or DEFAULT_CONFIG) if kernel == "triton"
+           else f"splits={extra.get('num_splits', 'auto')}")
+    line = (f"check {kernel:10s} {cd:20s} {layout} H={h} G={g} D={d} N={n} win={win} "
+            f"cap={cap} sinks={sinks} {how}: relerr {err:.2e} {'OK' if ok else 'FAIL'}")
     print(line, flush=True)
-    results.append({"cache_dtype": cd, "layout": layout, "H": h, "G": g, "D": d, "N": n,
-                    "window": win, "soft_cap": cap, "sinks": sinks, "relerr": err, "ok": ok})
+    results.append({"kernel": kernel, "cache_dtype": cd, "layout": layout, "H": h, "G": g,
+                    "D": d, "N": n, "window": win, "soft_cap": cap, "sinks": sinks,
+                    "relerr": err, "ok": ok})
   return results
 
 
@@ -237,13 +288,14 @@ def dispatch_floor_ms():
   return ms
 
 
-def format_table(shapes, formats, interpret, geo, use_vllm):
-  """The per-format table: ours (the format's default config) and vLLM 0.28's kernel on the
-  very same cache buffer, at every shape; tokens/s relative to bf16 of the same layout."""
+def format_table(shapes, formats, interpret, geo, use_vllm, kernels=("triton",)):
+  """The per-format table: each kernel (its default config) and vLLM 0.28's kernel on the
+  very same cache buffer, at every shape; tokens/s relative to bf16 of the same layout and
+  kernel."""
   from benchmarks import bench_side_by_side as SBS
   rows = []
   for batch, ctx in shapes:
-    base = {}
+    base = {k: {} for k in kernels}
     for cd in formats:
       for layout in SBS._layouts(cd):
         spec = kvjax.KVCacheSpec(num_kv_heads=geo.get("h", H), head_size=geo.get("d", D),
@@ -251,37 +303,47 @@ def format_table(shapes, formats, interpret, geo, use_vllm):
         problem = SBS.paged_problem(spec, [1] * batch, [ctx - 1] * batch)
         q, cache, qsl, sl, bt = problem
         ks = SBS._tensor_scale(cd)
-        step = lambda q, c, sl, bt, spec=spec, ks=ks: paged_decode_attention(
-            q, c, spec, seq_lens=sl, block_table=bt, scale=spec.head_size ** -0.5,
-            k_scale=ks, v_scale=ks, interpret=interpret)
-        try:
-          ms = common.time_jax_chained(step, q, cache, sl, bt, chain=1 if interpret else CHAIN,
-                                       reps=3 if interpret else 5, inner=1 if interpret else 4)
-        except Exception as e:  # noqa: BLE001 - report and go on
-          print(f"  {cd} {layout} {batch}x{ctx}: FAILED {type(e).__name__}: {str(e)[:300]}",
-                flush=True)
-          continue
-        r = {"kernel": "kvjax", "cache_dtype": cd, "layout": layout, "batch": batch,
-             "context": ctx,
-             "bytes_vs_bf16": round(spec.page_bytes / (2 * spec.block_size *
-                                                       spec.num_kv_heads * 2 * spec.head_size), 3)}
-        SBS.record_decode(r, spec, batch, ctx, ms, problem, base, use_vllm)
+        vllm_pending = use_vllm
+        for kernel in kernels:
+          why = kernel_reason(kernel, spec, HQ // H)
+          if why is not None:
+            continue
+          fn = kernel_fn(kernel)
+          step = lambda q, c, sl, bt, spec=spec, ks=ks, fn=fn: fn(
+              q, c, spec, seq_lens=sl, block_table=bt, scale=spec.head_size ** -0.5,
+              k_scale=ks, v_scale=ks, interpret=interpret)
+          try:
+            ms = common.time_jax_chained(step, q, cache, sl, bt,
+                                         chain=1 if interpret else CHAIN,
+                                         reps=3 if interpret else 5,
+                                         inner=1 if interpret else 4)
+          except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"  {kernel} {cd} {layout} {batch}x{ctx}: FAILED {type(e).__name__}: "
+                  f"{str(e)[:300]}", flush=True)
+            continue
+          r = {"kernel": kernel, "cache_dtype": cd, "layout": layout, "batch": batch,
+               "context": ctx,
+               "bytes_vs_bf16": round(spec.page_bytes / (2 * spec.block_size *
+                                                         spec.num_kv_heads * 2 * spec.head_size),
+                                      3)}
+          SBS.record_decode(r, spec, batch, ctx, ms, problem, base[kernel], vllm_pending)
+          vllm_pending = False          # vLLM's kernel once per problem
+          print(f"  {kernel:10s} {cd:20s} {layout} {batch:4d}x{ctx:<6d} {r['us']:8.1f} us "
+                f"{r['tb_per_s']:6.3f} TB/s x_bf16={r.get('x_bf16', '-')} "
+                f"vllm={r.get('vllm_us', r.get('vllm_error', '-'))}", flush=True)
+          rows.append(r)
         del problem, cache
-        print(f"  {cd:20s} {layout} {batch:4d}x{ctx:<6d} {r['us']:8.1f} us "
-              f"{r['tb_per_s']:6.3f} TB/s x_bf16={r.get('x_bf16', '-')} "
-              f"vllm={r.get('vllm_us', r.get('vllm_error', '-'))}", flush=True)
-        rows.append(r)
   return rows
 
 
 def markdown(rows):
   """The per-format table as markdown (what RESULTS.md quotes)."""
-  out = ["| batch x ctx | format | layout | µs | tokens/s vs bf16 | TB/s (own bytes) | bytes vs "
-         "bf16 | vLLM 0.28 µs |", "|---|---|---|---|---|---|---|---|"]
+  out = ["| batch x ctx | format | layout | kernel | µs | tokens/s vs bf16 | TB/s (own bytes) | "
+         "bytes vs bf16 | vLLM 0.28 µs |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     out.append(f"| {r['batch']}x{r['context']} | {r['cache_dtype']} | {r['layout']} | "
-               f"{r['us']} | {r.get('x_bf16', '-')} | {r['tb_per_s']} | {r['bytes_vs_bf16']} | "
-               f"{r.get('vllm_us', '-')} |")
+               f"{r['kernel']} | {r['us']} | {r.get('x_bf16', '-')} | {r['tb_per_s']} | "
+               f"{r['bytes_vs_bf16']} | {r.get('vllm_us', '-')} |")
   return "\n".join(out)
 
 
@@ -295,7 +357,16 @@ def main():
   ap.add_argument("--no-peers", action="store_true", help="skip JAX's Pallas op and SDPA")
   ap.add_argument("--no-vllm", action="store_true")
   ap.add_argument("--no-checks", action="store_true")
+  ap.add_argument("--kernels", default=",".join(KERNELS),
+                  help=f"comma-separated decode kernels among {KERNELS} (default: both)")
+  ap.add_argument("--check-kernels", default=None,
+                  help="kernels whose correctness checks run (default: --kernels)")
   args = ap.parse_args()
+  kernels = tuple(k for k in args.kernels.split(",") if k)
+  check_kernels = (kernels if args.check_kernels is None
+                   else tuple(k for k in args.check_kernels.split(",") if k))
+  if any(k not in KERNELS for k in kernels + check_kernels):
+    ap.error(f"--kernels / --check-kernels: choose among {KERNELS}")
   from benchmarks import bench_side_by_side as SBS
   smoke = args.smoke
   interpret = smoke or jax.default_backend() == "cpu"
@@ -329,7 +400,13 @@ def main():
 
   print("== per-format decode table (ours and vLLM on the same cache)", flush=True)
   use_vllm = vllm_peer.available() and not args.no_vllm and not interpret
-  rows = format_table(shapes, formats, interpret, geo, use_vllm)
+  if "mosaic_gpu" in kernels + check_kernels:
+    why = kernel_reason("mosaic_gpu", kvjax.KVCacheSpec(H, D, N), HQ // H)
+    if why is not None:
+      print(f"== mosaic_gpu kernel skipped: {why}", flush=True)
+      kernels = tuple(k for k in kernels if k != "mosaic_gpu")
+      check_kernels = tuple(k for k in check_kernels if k != "mosaic_gpu")
+  rows = format_table(shapes, formats, interpret, geo, use_vllm, kernels)
   peers = []
   if not args.no_peers:
     print("== peers (bf16): JAX's built-in Pallas paged_attention, torch SDPA on dense KV",
@@ -349,8 +426,10 @@ def main():
   checks = []
   if not args.no_checks:
     print("== compiled correctness vs reference (kernel on a poisoned cache)", flush=True)
-    checks = run_checks(rng, interpret, CHECKS[:2] if smoke else CHECKS,
-                        lens=(1, 20, 0) if smoke else (1, 37, 300, 0, 64))
+    checks = []
+    for kernel in check_kernels:
+      checks += run_checks(rng, interpret, CHECKS[:2] if smoke else CHECKS,
+                           lens=(1, 20, 0) if smoke else (1, 37, 300, 0, 64), kernel=kernel)
 
   result = dict(info, copy_tb_s=round(copy, 3), rows=rows, peers=peers, checks=checks,
                 dispatch_floor_ms=floor, chain=CHAIN,

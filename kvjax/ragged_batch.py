@@ -71,6 +71,12 @@ def token_positions(query_start_loc, seq_lens, num_tokens: int, max_query_len=No
   return seq, pos, real
 
 
+def is_decode_batch(num_tokens: int, num_seqs: int, max_query_len) -> bool:
+  """One query token per sequence, known statically (``max_query_len == 1`` and ``T == S``):
+  the case the decode kernels take."""
+  return max_query_len == 1 and num_tokens == num_seqs
+
+
 def decode_sequences(query_start_loc, num_tokens: int):
   """Decode batches (``max_query_len == 1``): per token, the sequence whose single query
   it is, int32 ``[T]``, or ``S`` when it is none (rules 1 and 2 for one query per sequence).

@@ -70,7 +70,8 @@ def platform() -> str:
   return jax.default_backend()
 
 
-def _load(target: Target):
+def load_target(target: Target):
+  """A callable, or the object a ``"module:attribute"`` string names (imported now)."""
   if not isinstance(target, str):
     return target
   module, _, attr = target.partition(":")
@@ -104,14 +105,14 @@ class Implementation:
 
   @property
   def fn(self) -> Callable:
-    return _load(self.entry)
+    return load_target(self.entry)
 
   def reason(self, *args, also=None) -> Optional[str]:
     """None when this implementation handles the call, else why not. ``also``: a further
     condition of the call, ``also(implementation) -> None | reason``."""
     try:
-      _load(self.entry)
-      check = None if self.supports is None else _load(self.supports)
+      load_target(self.entry)
+      check = None if self.supports is None else load_target(self.supports)
     except ImportError as e:                                     # a backend this jax lacks
       return f"cannot import it: {e}"
     why = None if check is None else check(*args)
@@ -119,7 +120,7 @@ class Implementation:
 
   def not_preferred(self, *args, call=None) -> Optional[str]:
     """None when ``auto`` should take this implementation for the call, else why not."""
-    return None if self.prefer is None else _load(self.prefer)(*args, call)
+    return None if self.prefer is None else load_target(self.prefer)(*args, call)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,8 +276,8 @@ READ.register("pallas", f"{_TRITON}.dequant:dequantize_pages",
               supports=f"{_TRITON}.dequant:supports_read", platforms=("gpu",),
               interpretable=True)
 # Mosaic GPU (Hopper): before the Triton kernels, taken by auto where its measured rule
-# (pallas_kernels.mosaic_gpu.ragged_attention.prefer_attention) says it is faster.
-ATTENTION.register("mosaic_gpu", "pallas_kernels.mosaic_gpu:ragged_paged_attention",
+# (pallas_kernels.mosaic_gpu.attention.prefer_attention) says it is faster.
+ATTENTION.register("mosaic_gpu", "pallas_kernels.mosaic_gpu:unified_attention",
                    supports="pallas_kernels.mosaic_gpu:supports_attention", platforms=("gpu",),
                    prefer="pallas_kernels.mosaic_gpu:prefer_attention", before="pallas")
 WRITE.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:write_kv",

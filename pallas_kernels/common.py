@@ -1,4 +1,5 @@
-"""Helpers every kernel backend shares: sizes, and float32 <-> bytes without a bitcast.
+"""Helpers every kernel backend shares: sizes, float32 <-> bytes without a bitcast, and the
+XLA merge of split-KV partials.
 
 Number-format formulas (rounding, e2m1, int4 nibbles and scales, the nvfp4 V-scale swizzle)
 are in :mod:`kvjax.quant`, shared with the reference; row addresses in
@@ -57,3 +58,24 @@ def float32_words(table):
   kernels that read 4-byte scales stored among byte data with one load."""
   r, e = table.shape
   return jax.lax.bitcast_convert_type(table.reshape(r, e // 4, 4), jnp.float32)
+
+
+def merge_splits(acc, m, l, sinks, num_groups: int):
+  """Combine split-KV partials into normalized outputs (XLA).
+
+  acc ``[S, H, K, Gp, X]`` unnormalized ``sum_k exp(s_k - m) v_k``, m ``[S, H, K, Gp]`` the
+  running max (natural-log domain), l the sums, float32; sinks float32 ``[H, G]`` or None.
+  Returns float32 ``[S, H, G, X]``; rows with no visible key are 0.
+  """
+  acc, m, l = acc[..., :num_groups, :], m[..., :num_groups], l[..., :num_groups]
+  m_max = jnp.max(m, axis=2)                                     # [S, H, G]
+  if sinks is not None:
+    m_max = jnp.maximum(m_max, sinks[None])
+  wgt = jnp.exp(m - m_max[:, :, None])                           # [S, H, K, G]
+  lsum = jnp.sum(wgt * l, axis=2)
+  denom = lsum
+  if sinks is not None:
+    denom = denom + jnp.exp(sinks[None] - m_max)
+  out = jnp.sum(wgt[..., None] * acc, axis=2)
+  safe = jnp.where(lsum > 0, denom, 1.0)
+  return jnp.where((lsum > 0)[..., None], out / safe[..., None], 0.0)

@@ -10,9 +10,10 @@ A codec owns, for its format kind:
 - the reference (pure jnp) encode / scatter / dequantize that ``kvjax.reference`` runs, on
   values in the stored frame;
 - the kernel-backend hooks: ``triton`` names the class of in-kernel tile loaders,
-  dequantizers and encoders the Triton kernels call (``pallas_kernels.triton.formats``).
-  A Mosaic TPU or Mosaic GPU backend that needs per-format code adds a ``mosaic_tpu`` /
-  ``mosaic_gpu`` attribute of the same form here.
+  dequantizers and encoders the Triton kernels call (``pallas_kernels.triton.formats``),
+  ``mosaic_gpu`` the class that turns copied K/V tiles into wgmma operands
+  (``pallas_kernels.mosaic_gpu.formats``). A Mosaic TPU backend that needs per-format code
+  adds a ``mosaic_tpu`` attribute of the same form here.
 
 Row formats (every kind but nvfp4) store one row of ``C`` elements per (token, head),
 ``[K data | K scale | V data | V scale]`` with the scale parts empty when the format has no
@@ -62,11 +63,21 @@ class Codec:
   no_layered_reason: ClassVar[Optional[str]] = None
   #: ``"module:Class"`` of the Triton hooks; None = the Triton kernels cannot run it.
   triton: ClassVar[Optional[str]] = None
+  #: ``"module:Class"`` of the Mosaic GPU hooks (``pallas_kernels.mosaic_gpu.formats``); None
+  #: = the Mosaic GPU kernels read the format through a plain copy of its pages, or not at all.
+  mosaic_gpu: ClassVar[Optional[str]] = None
   #: The head-dim rotation of the stored values (``kvjax.write_kv`` rotates K/V before any
   #: implementation encodes them; attention and reads rotate q and un-rotate results).
   rotation: ClassVar[Rotation] = NO_ROTATION
 
   # -- facts and geometry ------------------------------------------------------------------------
+  def hooks(self, backend: str):
+    """The hook class this codec names for ``backend`` (``"triton"``, ``"mosaic_gpu"``),
+    imported now; None when it names none."""
+    from kvjax.registry import load_target   # noqa: PLC0415 (kvjax.registry imports jax only)
+    target = getattr(self, backend)
+    return None if target is None else load_target(target)
+
   @property
   def is_quantized(self) -> bool:
     return self.quant is not None

@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import ragged_batch as RB
+
 _Q_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
@@ -12,11 +14,6 @@ def supports_attention(spec, q_dtype):
   if np.dtype(q_dtype) not in _Q_DTYPES:
     return f"q dtype {np.dtype(q_dtype)} is not one of {[str(d) for d in _Q_DTYPES]}"
   return None
-
-
-def is_decode_batch(q, seq_lens, max_query_len) -> bool:
-  """One query token per sequence, known statically: the decode kernel's case."""
-  return max_query_len == 1 and q.shape[0] == seq_lens.shape[0]
 
 
 def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table, scale,
@@ -30,7 +27,7 @@ def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table,
   kwargs = dict(seq_lens=seq_lens, block_table=block_table, scale=scale,
                 sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
                 v_scale=v_scale, interpret=interpret)
-  if is_decode_batch(q, seq_lens, max_query_len):
+  if RB.is_decode_batch(q.shape[0], seq_lens.shape[0], max_query_len):
     from pallas_kernels.triton.decode import paged_decode_attention
     return paged_decode_attention(q, cache, spec, query_start_loc=query_start_loc, **kwargs)
   from pallas_kernels.triton.ragged import ragged_paged_attention

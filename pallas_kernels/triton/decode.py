@@ -20,7 +20,7 @@ import numpy as np
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from kvjax import quant
-from pallas_kernels.common import float32_words
+from pallas_kernels.common import float32_words, merge_splits
 from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits, default_config
 from pallas_kernels.triton.decode_kernel import decode_call
 from pallas_kernels.triton.formats import TileFormat
@@ -39,26 +39,6 @@ def _kernel_scales(tf: TileFormat, k_scale, v_scale, scale=None):
   if scale is None:
     return ts
   return jnp.concatenate([ts, quant.per_head_scales(scale, tf.num_heads)[None]])
-
-
-def merge_splits(acc, m, l, sinks, num_groups: int):
-  """Combine split partials into normalized outputs.
-
-  acc ``[S, H, K, Gp, X]``, m, l ``[S, H, K, Gp]`` float32; sinks float32 ``[H, G]`` or None.
-  Returns float32 ``[S, H, G, X]``; rows with no visible key are 0.
-  """
-  acc, m, l = acc[..., :num_groups, :], m[..., :num_groups], l[..., :num_groups]
-  m_max = jnp.max(m, axis=2)                                     # [S, H, G]
-  if sinks is not None:
-    m_max = jnp.maximum(m_max, sinks[None])
-  wgt = jnp.exp(m - m_max[:, :, None])                           # [S, H, K, G]
-  lsum = jnp.sum(wgt * l, axis=2)
-  denom = lsum
-  if sinks is not None:
-    denom = denom + jnp.exp(sinks[None] - m_max)
-  out = jnp.sum(wgt[..., None] * acc, axis=2)
-  safe = jnp.where(lsum > 0, denom, 1.0)
-  return jnp.where((lsum > 0)[..., None], out / safe[..., None], 0.0)
 
 
 def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table, scale,

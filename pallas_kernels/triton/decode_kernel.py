@@ -10,7 +10,7 @@ step, so every cache line fetched is used), scores the padded query group
 dot, updates an online softmax and accumulates ``p @ V``. With one split it
 normalizes in the kernel (sinks included) and writes the output directly; with
 several it writes unnormalized partials (acc, running max m, sum l) that
-:func:`pallas_kernels.triton.decode.merge_splits` combines (with the sinks) in XLA.
+:func:`pallas_kernels.common.merge_splits` combines (with the sinks) in XLA.
 """
 from __future__ import annotations
 

@@ -25,7 +25,6 @@ odd head dims); the kernels interleave them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -45,10 +44,7 @@ _SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 def hooks_class(codec: Codec):
   """The hook class a codec names, or None when it has no Triton hooks."""
-  if codec.triton is None:
-    return None
-  module, _, name = codec.triton.partition(":")
-  return getattr(importlib.import_module(module), name)
+  return codec.hooks("triton")
 
 
 def hooks_reason(spec):

@@ -1,0 +1,64 @@
+"""The Mosaic GPU implementation of ``kvjax.unified_attention``: the decode or the ragged kernel.
+
+A pure decode batch (static ``max_query_len == 1`` and ``T == S``) of a format with Mosaic GPU
+hooks (:mod:`.formats`: plain bf16 / f16, fp8 per tensor) and a GQA group whose queries fit
+the kernel's 16 query columns takes the decode kernel (:mod:`.decode`); everything else the
+ragged kernel (:mod:`.ragged_attention`, quantized formats through a plain copy of the pages).
+:func:`prefer_attention` is the measured rule that says where ``auto`` takes either.
+"""
+from __future__ import annotations
+
+from kvjax import ragged_batch as RB
+from pallas_kernels.mosaic_gpu import ragged_attention as R
+from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
+
+#: Whether ``auto`` takes the decode kernel for the decode batches it can run (else the Triton
+#: decode kernel runs them). Measured on the H200 at the five decode shapes (benchmarks/
+#: RESULTS.md, 2026-12-02 afternoon, "Decode"): 0.88-1.05x the Triton decode kernel's speed
+#: on bf16, level with it on fp8: no consistent win.
+AUTO_DECODE = False
+
+
+def supports_attention(spec, q_dtype):
+  """Registry hook: what the ragged kernel takes (every format it reads directly or through a
+  plain copy, 16-bit q, head sizes 64 / 128 / 256, jax >= 0.11 on an sm90+ GPU); the decode
+  kernel takes a subset of it."""
+  return R.supports_attention(spec, q_dtype)
+
+
+def _decode_kernel_reason(spec, q_dtype, num_tokens, num_seqs, num_q_heads, max_query_len):
+  """None when a call is a decode batch the decode kernel runs, else why not."""
+  if not RB.is_decode_batch(num_tokens, num_seqs, max_query_len):
+    return "not a decode batch (static max_query_len == 1, one query per sequence)"
+  return decode_reason(spec, q_dtype, num_q_heads // spec.num_kv_heads)
+
+
+def prefer_attention(spec, q_dtype, call):
+  """The auto rule (registry ``prefer``): None when ``auto`` should take Mosaic GPU.
+
+  Decode batches the decode kernel runs: where :data:`AUTO_DECODE` says it is faster than
+  the Triton decode kernel. Other batches: the ragged kernel's rule
+  (:func:`.ragged_attention.prefer_attention`)."""
+  if call is not None and RB.is_decode_batch(call.num_tokens, call.num_seqs,
+                                             call.max_query_len):
+    why = _decode_kernel_reason(spec, q_dtype, call.num_tokens, call.num_seqs,
+                                call.num_q_heads, call.max_query_len)
+    if why is not None:
+      return f"decode batch: {why}"
+    return None if AUTO_DECODE else ("decode batch: the Triton decode kernel is faster "
+                                     "(measured)")
+  return R.prefer_attention(spec, q_dtype, call)
+
+
+def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table, scale,
+                      causal=True, sliding_window=None, soft_cap=None, sinks=None, k_scale=None,
+                      v_scale=None, max_query_len=None):
+  """Mosaic GPU paged attention. Arguments as :func:`kvjax.unified_attention` (validated)."""
+  kwargs = dict(seq_lens=seq_lens, block_table=block_table, scale=scale,
+                sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
+                v_scale=v_scale, query_start_loc=query_start_loc)
+  if _decode_kernel_reason(spec, q.dtype, q.shape[0], seq_lens.shape[0], q.shape[1],
+                           max_query_len) is None:
+    return paged_decode_attention(q, cache, spec, **kwargs)   # one query at seq_len - 1
+  return R.ragged_paged_attention(q, cache, spec, causal=causal, max_query_len=max_query_len,
+                                  **kwargs)

@@ -1,0 +1,111 @@
+"""Mosaic GPU (Hopper) paged decode attention over the packed cache: one query per sequence.
+
+Entry point :func:`paged_decode_attention`, the semantics of
+:func:`pallas_kernels.triton.decode.paged_decode_attention` (causal, the query at position
+``seq_len - 1``; GQA, sliding window, soft cap, sinks; rows of no sequence output 0).
+:func:`decode_reason` says when it applies. The kernel (:mod:`.decode_kernel`) reads formats
+through their Mosaic GPU hooks (:mod:`.formats`: plain bf16 / f16 and fp8 per tensor); its
+partials (one per split) are merged here in XLA with the sinks.
+Works under ``jax.jit`` with traced ``seq_lens``, ``block_table``, ``scale`` and scales.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import ragged_batch as RB
+from kvjax.spec import KVCacheSpec
+from pallas_kernels.common import cdiv, merge_splits
+from pallas_kernels.mosaic_gpu import decode_geometry as DG
+from pallas_kernels.mosaic_gpu.formats import hooks_class
+
+_LN2 = math.log(2.0)
+
+
+def decode_reason(spec: KVCacheSpec, q_dtype, group: Optional[int] = None) -> Optional[str]:
+  """Why the decode kernel cannot take this spec / q dtype / GQA group (None: it can).
+  Device-free."""
+  cls = hooks_class(spec.codec)
+  if cls is None:
+    return (f"cache_dtype={spec.cache_dtype!r} has no Mosaic GPU decode hooks (its codec's "
+            "mosaic_gpu is None)")
+  why = cls.reason(spec, q_dtype)
+  if why is not None:
+    return why
+  if spec.head_size % 64 or not 64 <= spec.head_size <= 256:
+    return f"head_size={spec.head_size}: the decode kernel takes 64, 128, 192 or 256"
+  if group is not None:
+    return DG.group_reason(group, spec.num_kv_heads)
+  return None
+
+
+def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table, scale,
+                           sliding_window=None, soft_cap=None, sinks=None, k_scale=None,
+                           v_scale=None, query_start_loc=None, interpret: bool = False,
+                           geometry=None, num_splits: Optional[int] = None):
+  """Decode attention over the packed paged cache with the Mosaic GPU kernel.
+
+  Args:
+    q: ``[S, Hq, D]`` bfloat16 / float16, one query token per row; Hq = G * H.
+    cache: the spec's physical array; spec: its :class:`kvjax.KVCacheSpec`.
+    seq_lens: int32 ``[S]``; block_table: int32 ``[S, M]`` (traced or not).
+    scale: softmax scale (float or traced scalar). sliding_window, soft_cap: static or None.
+    sinks: float32 ``[Hq]`` sink logits or None. k_scale, v_scale: global scales (fp8).
+    query_start_loc: int ``[S+1]`` or None (= ``arange(S+1)``), as the Triton decode path.
+    interpret: Mosaic GPU interpret mode (CPU, jax >= 0.11).
+    geometry: a :class:`.decode_geometry.DecodeGeometry` (None: chosen), num_splits: None =
+      :func:`.decode_geometry.num_splits_for`; both for benchmark sweeps.
+  Returns:
+    ``[S, Hq, D]`` in q's dtype.
+  """
+  from pallas_kernels.mosaic_gpu import decode_kernel as DK   # noqa: PLC0415
+  num_rows, hq, d = q.shape
+  h = spec.num_kv_heads
+  g = hq // h
+  reason = decode_reason(spec, q.dtype, g)
+  if reason is not None:
+    raise ValueError(f"Mosaic GPU decode: {reason}")
+  ops = hooks_class(spec.codec).of(spec, q.dtype)
+  geo = geometry or DG.choose_geometry(ops, g, spec.block_size, d)
+  if geo.smem_bytes(ops) > DG.SMEM_BUDGET:
+    raise ValueError(f"geometry {geo} needs {geo.smem_bytes(ops)} bytes of shared memory; "
+                     f"the budget is {DG.SMEM_BUDGET}")
+  max_blocks = block_table.shape[1]
+  capacity = max_blocks * spec.block_size
+  num_seqs = seq_lens.shape[0]
+  # Row r's sequence (num_seqs: none -> no keys, output 0), its key count and block ids.
+  if query_start_loc is None:
+    seq = jnp.arange(num_rows, dtype=jnp.int32)
+  else:
+    seq = RB.decode_sequences(query_start_loc, num_rows)
+  real = seq < num_seqs
+  seq_c = jnp.minimum(seq, num_seqs - 1)
+  lens = jnp.where(real, jnp.clip(jnp.asarray(seq_lens, jnp.int32), 0, capacity)[seq_c], 0)
+  bt = jnp.asarray(block_table, jnp.int32)[seq_c].reshape(-1)
+  scales = ops.tensor_scales(k_scale, v_scale, h)                      # [2, H]
+  factors = (jnp.asarray(scale, jnp.float32) * math.log2(math.e)) * scales[0]
+  splits = num_splits or DG.num_splits_for(num_rows, h, cdiv(capacity, geo.block_kv))
+  st = DK.DecodeStatics(
+      geo=geo, ops=ops, num_kv_heads=h, layout=spec.layout,
+      num_blocks=spec.num_blocks_of(cache), max_blocks=max_blocks, num_splits=int(splits),
+      window=None if sliding_window is None else int(sliding_window),
+      soft_cap=None if soft_cap is None else float(soft_cap), interpret=bool(interpret))
+  # The kernel copies 16 query rows from a multiple of 8 (rows past Hq read as zeros): TMA
+  # wants a head count that is a multiple of 8, and at least the 16 rows of one copy.
+  qk = ops.q_operand(q)
+  hq_pad = max(geo.cols, cdiv(hq, DG.ALIGN_ROWS) * DG.ALIGN_ROWS)
+  if hq_pad != hq:
+    qk = jnp.pad(qk, ((0, 0), (0, hq_pad - hq), (0, 0)))
+  acc, ml = DK.decode_call(lens, bt, factors, qk, cache, st=st)
+  # Head h's queries are columns col_offset(h) + [0, G) of the partials.
+  cols = np.asarray([[geo.col_offset(i) + j for j in range(g)] for i in range(h)], np.int32)
+  acc = jnp.take_along_axis(acc, cols[None, :, None, None, :], axis=-1)   # [S, H, P, D, G]
+  ml = jnp.take_along_axis(ml, cols[None, :, None, None, :], axis=-1)     # [S, H, P, 2, G]
+  sink_hg = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(h, g)
+  out = merge_splits(jnp.swapaxes(acc, -1, -2), ml[..., 0, :] * _LN2, ml[..., 1, :], sink_hg,
+                     g)                                                # [S, H, G, D]
+  out = out * scales[1][None, :, None, None]
+  return out.reshape(num_rows, hq, d).astype(q.dtype)

@@ -1,0 +1,278 @@
+"""The Mosaic GPU (Hopper) paged decode kernel body: one query token per sequence.
+
+Scores are computed transposed, ``S^T = K q^T``: the ``T = 64`` keys of a step are wgmma's
+M rows and the query heads of one KV head its ``N = 16`` columns (at GQA 4, 4 of 16 columns
+are real, against 4 of wgmma's 64 rows for ``q K^T``), so the online softmax costs 8 values a
+thread per step. Values follow the same orientation, ``O^T += V^T P^T``: ``P^T`` (through
+shared memory) is the B operand and V the transposed A operand. Operands of one wgmma share
+a swizzle, and P^T's 16-column rows allow 32 bytes, while TMA copies rows no wider than the
+swizzle; so K/V land with the format's swizzle (plain caches: the widest their rows allow,
+128 bytes, one copy per 64 bf16 columns, as with q for ``S^T``), and V is copied into a
+32-byte-swizzled buffer on its way to ``V^T P^T`` (in the compute dtype: the format hook
+converts there).
+
+One CUDA block per (KV head, sequence, split) with two warpgroups (one consumer: Mosaic GPU's
+cross-warp reductions share one scratch buffer per block, so two consumer warpgroups of a
+block could not reduce at the same time; two blocks per SM fit instead):
+
+* the **producer** walks the split's key steps and, per step, reads the block ids from the
+  block table and issues one TMA copy per ``piece`` tokens for K and for V of its head into
+  ``stages`` shared-memory slots (format hooks say where copies land:
+  :mod:`pallas_kernels.mosaic_gpu.formats`); a slot is refilled once the consumer released
+  it, and the producer waits for the last releases before it exits;
+* the **consumer**, per step, builds the K operand (format hook), computes ``S^T`` with
+  wgmma, scales (softmax scale x K scale x log2 e, one float per head), soft-caps, masks keys
+  outside ``[seq_len - window, seq_len)``, updates the running max per column (a cross-warp
+  reduction) and a per-thread partial sum, stores ``P^T`` to shared memory, builds the V
+  operand (format hook; rows of masked keys set to 0: stale cache bytes may be NaN),
+  releases the slot and accumulates ``V^T P^T`` into a float32 ``(D, 16)`` accumulator.
+
+The block writes its unnormalized partials (``acc^T``, the max in the log2 domain, the sum)
+as one split of the output; :func:`pallas_kernels.common.merge_splits` combines them in XLA.
+The query rows: head h's G queries are rows ``[h G, h G + G)`` of ``q[s]``; the kernel
+copies the 16 rows from ``r0 = h G - (h G) % 8`` (a TMA copy into a tiled buffer must start
+on a multiple of 8 rows), so head h's queries are columns ``(h G) % 8 + [0, G)`` of S^T; the
+other columns hold neighbouring heads' queries (finite, discarded) or zeros past ``Hq``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic_gpu.compat import interpret_params
+from pallas_kernels.mosaic_gpu.decode_geometry import ALIGN_ROWS, DecodeGeometry
+from pallas_kernels.mosaic_gpu.formats import Operands
+
+_M_INIT = -1e30            # running max before any key: finite, exp2(m - m_new) is never NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStatics:
+  """Everything static the kernel body needs."""
+  geo: DecodeGeometry
+  ops: Operands
+  num_kv_heads: int           # H
+  layout: str                 # "NHD" / "HND"
+  num_blocks: int             # B
+  max_blocks: int             # block_table.shape[1]
+  num_splits: int
+  window: Optional[int]
+  soft_cap: Optional[float]
+  interpret: bool = False     # Mosaic GPU interpret mode (CPU, jax >= 0.11)
+
+
+def _kv_box(cache_ref, st: DecodeStatics, blk, h, off, n, side):
+  """``(n, D)`` GMEM box of K (side 0) or V (side 1) of head h, tokens off..off+n of page blk."""
+  d = st.geo.head_size
+  cols = pl.ds(side * d, d)
+  if st.layout == "NHD":
+    return cache_ref.at[blk, pl.ds(off, n), h, cols]
+  return cache_ref.at[blk, h, pl.ds(off, n), cols]
+
+
+def _kernel(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref, scratch, *,
+            st: DecodeStatics):
+  ((q_smem, k_land, v_land, v_smem, p_smem, o_smem, ml_smem, k_staged), q_bar,
+   (k_bars, v_bars), (k_free, v_free)) = scratch
+  geo, ops = st.geo, st.ops
+  t_keys, ncol, d = geo.block_kv, geo.cols, geo.head_size
+  wgmma_layout = plgpu.Layout.WGMMA
+  cast = plgpu.layout_cast
+  h = lax.axis_index("head")
+  s = lax.axis_index("seq")
+  split = lax.axis_index("split")
+  wg = lax.axis_index("wg")
+
+  # Keys [lo_tok, seq_len) in steps of T; this split's steps [start, start + n).
+  seq_len = len_ref[s]
+  lo_tok = jnp.maximum(seq_len - st.window, 0) if st.window else jnp.int32(0)
+  lo_step = lax.div(lo_tok, t_keys)
+  hi_step = lax.div(seq_len + t_keys - 1, t_keys)
+  per = lax.div(jnp.maximum(hi_step - lo_step, 0) + st.num_splits - 1, st.num_splits)
+  start = lo_step + split * per
+  n = jnp.clip(hi_step - start, 0, per)
+
+  @pl.when(wg == 0)
+  def _consumer():
+    hg = h * geo.group
+    row0 = hg - lax.rem(hg, ALIGN_ROWS)           # head h's queries: columns hg - row0 + [0, G)
+    plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(row0, ncol)], q_smem, q_bar)
+    plgpu.barrier_wait(q_bar)
+    fac = fac_ref[h]
+    rows = cast(lax.broadcasted_iota(jnp.int32, (t_keys, ncol), 0), wgmma_layout)
+    v_rows = cast(lax.broadcasted_iota(jnp.int32, (t_keys, d), 0), wgmma_layout)
+
+    def step(i, carry):
+      acc, m, l_part = carry
+      slot = lax.rem(i, geo.stages)
+      tok0 = (start + i) * t_keys
+      plgpu.barrier_wait(k_bars.at[slot])
+      k_op = ops.k_operand(k_land.at[slot])
+      if k_staged is not None:     # interpret mode takes no register operand: stage K
+        k_staged[...] = k_op
+        plgpu.commit_smem()
+        k_op = k_staged
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, k_op, q_smem.transpose((1, 0)))
+        return acc_ref[...]
+      sc = pl.run_scoped(qk, plgpu.ACC((t_keys, ncol), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      sc = sc * fac                                   # the log2 domain, K scale included
+      if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
+        cap = st.soft_cap * math.log2(math.e)
+        sc = cap * jnp.tanh(sc * (1.0 / cap))
+      tok = tok0 + rows
+      sc = jnp.where((tok >= lo_tok) & (tok < seq_len), sc, -jnp.inf)
+      m_new = jnp.maximum(m, sc.max(axis=0))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [1]))
+      l_part = l_part * lax.broadcast_in_dim(alpha, sc.shape, [1]) + p
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+      p_smem[...] = p.astype(ops.compute)
+      plgpu.commit_smem()          # generic-proxy stores visible to wgmma (async proxy)
+
+      plgpu.barrier_wait(v_bars.at[slot])
+      edge = (tok0 < lo_tok) | (tok0 + t_keys > seq_len)
+
+      @pl.when(edge)
+      def _edge_values():
+        ops.prepare_v(v_land.at[slot], v_smem, (v_rows, lo_tok - tok0, seq_len - tok0),
+                      plgpu.commit_smem)
+
+      @pl.when(jnp.logical_not(edge))
+      def _values():
+        ops.prepare_v(v_land.at[slot], v_smem, None, plgpu.commit_smem)
+      plgpu.barrier_arrive(v_free.at[slot])
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, v_smem.transpose((1, 0)), p_smem)
+        return acc_ref[...]
+      acc = acc + pl.run_scoped(pv, plgpu.ACC((d, ncol), jnp.float32))
+      return acc, m_new, l_part
+
+    acc0 = cast(jnp.zeros((d, ncol), jnp.float32), wgmma_layout)
+    m0 = cast(jnp.full((ncol,), _M_INIT, jnp.float32), wgmma_layout.reduce(0))
+    l0 = cast(jnp.zeros((t_keys, ncol), jnp.float32), wgmma_layout)
+    acc, m, l_part = lax.fori_loop(0, n, step, (acc0, m0, l0))
+    o_smem[...] = acc
+    ml_smem[0, :] = m
+    ml_smem[1, :] = l_part.sum(axis=0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[s, h, split])
+    plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[s, h, split])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _producer():
+    piece = geo.piece
+
+    def block_ids(i):
+      """The block of each piece of step i, all loaded before any copy is issued (the
+      loads overlap; K and V of the step share them)."""
+      ids = []
+      for p in range(geo.pieces_per_step):
+        key0 = (start + i) * t_keys + p * piece
+        page = jnp.minimum(lax.div(key0, geo.block_size), st.max_blocks - 1)
+        ids.append(jnp.clip(bt_ref[s * st.max_blocks + page], 0, st.num_blocks - 1))
+      return ids
+
+    def issue(i, side, bars, ids):
+      slot = lax.rem(i, geo.stages)
+      land = k_land if side == 0 else v_land
+      for p, blk in enumerate(ids):
+        off = lax.rem((start + i) * t_keys + p * piece, geo.block_size)
+        src = _kv_box(cache_ref, st, blk, h, off, piece, side)
+        plgpu.copy_gmem_to_smem(src, land.at[slot, pl.ds(p * piece, piece)], bars.at[slot])
+
+    for i in range(geo.stages):
+      @pl.when(i < n)
+      def _prologue():
+        ids = block_ids(i)
+        issue(i, 0, k_bars, ids)
+        issue(i, 1, v_bars, ids)
+
+    @pl.loop(geo.stages, n)
+    def _steady(i):
+      slot = lax.rem(i, geo.stages)
+      ids = block_ids(i)
+      plgpu.barrier_wait(k_free.at[slot])
+      issue(i, 0, k_bars, ids)
+      plgpu.barrier_wait(v_free.at[slot])
+      issue(i, 1, v_bars, ids)
+
+    @pl.loop(jnp.maximum(n - geo.stages, 0), n)
+    def _drain(i):   # the last `stages` releases: no barrier phase is left unobserved
+      slot = lax.rem(i, geo.stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+
+def decode_call(seq_lens, block_table_flat, factors, q, cache, *, st: DecodeStatics):
+  """Launch the kernel.
+
+  seq_lens: int32 ``[S]`` keys of each query row's sequence (0: none); block_table_flat:
+  int32 ``[S * max_blocks]`` (row s: that sequence's block ids); factors: float32 ``[H]``,
+  softmax scale x K scale x log2(e) per KV head; q: ``[S, Hq, D]`` in the compute dtype;
+  cache: the physical cache. Returns the unnormalized partials, one per split: acc float32
+  ``[S, H, splits, D, 16]`` (transposed: columns are query columns), and float32
+  ``[S, H, splits, 2, 16]`` holding the running max (log2 domain) and the sum.
+  """
+  geo, ops = st.geo, st.ops
+  num_seqs = q.shape[0]
+  h = st.num_kv_heads
+  parts = st.num_splits
+  t_keys, d, ncol = geo.block_kv, geo.head_size, geo.cols
+
+  def tiled(shape, dtype, swizzle=None):
+    """A buffer wgmma reads: (8, swizzle / itemsize)-element tiles; the widest swizzle whose
+    rows tile the minor dim by default (TMA copies rows no wider than the swizzle)."""
+    width = shape[-1] * np.dtype(dtype).itemsize
+    swizzle = swizzle or next(w for w in (128, 64, 32) if width % w == 0)
+    cols = swizzle // np.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((ALIGN_ROWS, cols)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+  # S^T = K q^T reads K and q with their widest swizzle (equal where K is read from shared
+  # memory: the same dtype and D); V^T P^T reads V and P^T with the swizzle of P^T's rows
+  # (16 query columns).
+  pv_swizzle = ncol * np.dtype(ops.compute).itemsize
+  smem = (tiled((ncol, d), ops.compute),
+          ops.landing(geo.stages, t_keys, d, tiled),
+          ops.landing(geo.stages, t_keys, d, tiled),
+          tiled((t_keys, d), ops.compute, pv_swizzle),
+          tiled((t_keys, ncol), ops.compute, pv_swizzle),
+          plgpu.SMEM((d, ncol), jnp.float32),
+          plgpu.SMEM((2, ncol), jnp.float32),
+          tiled((t_keys, d), ops.compute) if st.interpret and ops.k_in_registers else None)
+  kv_bars = plgpu.Barrier(num_arrivals=geo.pieces_per_step, num_barriers=geo.stages)
+  free_bars = plgpu.Barrier(num_arrivals=1, num_barriers=geo.stages)
+
+  def kvjax_mgpu_decode(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref):
+    pl.run_scoped(
+        lambda *scratch: _kernel(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref,
+                                 scratch, st=st),
+        smem, plgpu.Barrier(num_arrivals=1), (kv_bars, kv_bars), (free_bars, free_bars),
+        collective_axes="wg")
+
+  f32 = jnp.float32
+  return plgpu.kernel(
+      kvjax_mgpu_decode,
+      out_type=(jax.ShapeDtypeStruct((num_seqs, h, parts, d, ncol), f32),
+                jax.ShapeDtypeStruct((num_seqs, h, parts, 2, ncol), f32)),
+      grid=(h, num_seqs, st.num_splits),
+      grid_names=("head", "seq", "split"),
+      num_threads=2,
+      thread_name="wg",
+      interpret=interpret_params() if st.interpret else None,
+      compiler_params=plgpu.CompilerParams(   # Lane semantics on every version: compat.py
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+  )(seq_lens, block_table_flat, factors, q, cache)

@@ -1,0 +1,176 @@
+"""The Mosaic GPU kernels' per-format hooks: how K/V tiles copied from the cache become wgmma
+operands.
+
+Each codec names its hook class here (``Codec.mosaic_gpu``); the kernels are format-blind.
+A hook object is static (frozen, hashable) and answers:
+
+- :meth:`Operands.landing` -- the shared-memory slots one side's TMA copies land in
+  (``stages`` slots of ``(T, D)`` storage elements, tiled with the format's swizzle, by
+  default the widest that fits: a TMA copy moves rows of at most the swizzle's width, so
+  narrower swizzles cost more copies);
+- :meth:`Operands.k_operand` -- in the kernel: K of a step as the A operand of ``S^T = K q^T``
+  (the landing slot itself, or converted values in registers);
+- :meth:`Operands.prepare_v` -- in the kernel: V of a step in the compute dtype, written to a
+  buffer of the layout ``V^T P^T`` reads (the transposed A operand, which wgmma takes from
+  shared memory only, with the narrow swizzle ``P^T``'s 16 columns allow), the rows of keys
+  the step must not see set to 0 (stale cache bytes may be NaN, and ``0 * NaN`` would reach
+  the output);
+- :meth:`Operands.tensor_scales` -- in XLA: float32 ``[2, H]`` global K / V scales per KV
+  head (ones when the format has none): scores are multiplied by the K scale in the kernel,
+  outputs by the V scale after it.
+
+:class:`PlainOperands` (bf16 / f16 caches read with queries of their dtype): K is read where it
+lands. :class:`Fp8Operands` (fp8 per tensor, e4m3 / e5m2): K is converted to float16 in
+registers (loaded four bytes at a time, one warp shuffle to the wgmma register layout), V to
+float16 on its way to the V buffer (every e4m3 / e5m2 value is exact in float16; e4m3 -> f16
+is one instruction per two values on Hopper). Queries go to float16 too (saturating), as in
+the Triton kernels (:func:`pallas_kernels.triton.formats.compute_dtype`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import quant
+
+_SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def hooks_class(codec):
+  """The hook class a codec names, or None when it has no Mosaic GPU hooks."""
+  return codec.hooks("mosaic_gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+  """Static facts of one cache format for the Mosaic GPU kernels (base of the hook classes).
+
+  Attributes:
+    storage: the cache array's dtype.
+    compute: the dtype of the wgmma operands (q's too).
+    has_tensor_scales: whether k_scale / v_scale take part (the codec's fact).
+  """
+  storage: np.dtype
+  compute: np.dtype
+  has_tensor_scales: bool
+
+  @classmethod
+  def of(cls, spec, q_dtype) -> "Operands":
+    """The hooks of ``spec``'s format for ``q_dtype`` queries."""
+    return cls(storage=np.dtype(spec.storage_dtype), compute=cls.compute_dtype(spec, q_dtype),
+               has_tensor_scales=spec.codec.has_tensor_scales)
+
+  @staticmethod
+  def compute_dtype(spec, q_dtype) -> np.dtype:
+    raise NotImplementedError
+
+  @classmethod
+  def reason(cls, spec, q_dtype) -> Optional[str]:
+    """None when this format and ``q_dtype`` run, else why not."""
+    if np.dtype(q_dtype) not in _SIXTEEN_BIT:
+      return f"q dtype {np.dtype(q_dtype)}: the Mosaic GPU kernels take bfloat16/float16"
+    return None
+
+  #: Swizzle (bytes) of the landing slots; None = the widest that fits.
+  landing_swizzle: ClassVar[Optional[int]] = None
+  #: Whether :meth:`k_operand` gives registers (Mosaic GPU interpret mode takes no register
+  #: wgmma operand: the kernel then stores them to a buffer first).
+  k_in_registers: ClassVar[bool] = False
+
+  def landing(self, stages: int, rows: int, cols: int, tiled):
+    """One side's TMA slots ``(stages, rows, cols)``; ``tiled(shape, dtype, swizzle)`` makes
+    a buffer wgmma reads (``swizzle`` None: the widest that fits)."""
+    return tiled((stages, rows, cols), self.storage, self.landing_swizzle)
+
+  def k_operand(self, slot_ref):
+    """K of a step as the A operand of ``S^T = K q^T``: a ``(T, D)`` ref or registers."""
+    return slot_ref
+
+  def v_values(self, slot_ref):
+    """V of a step in the compute dtype, in the WGMMA register layout."""
+    raise NotImplementedError
+
+  def prepare_v(self, slot_ref, v_ref, keep_row, commit):
+    """Write V of a step to ``v_ref`` (the ``V^T P^T`` operand buffer), in the kernel.
+
+    keep_row: None, or ``(rows, lo, hi)``: int32 ``(T, D)`` row indices in the WGMMA layout
+    and the bounds of the rows to keep (the others are set to 0); commit: makes
+    generic-proxy stores visible to wgmma.
+    """
+    x = self.v_values(slot_ref)
+    if keep_row is not None:
+      rows, lo, hi = keep_row
+      x = jnp.where((rows >= lo) & (rows < hi), x, 0)
+    v_ref[...] = x.astype(self.compute)
+    commit()
+
+  def tensor_scales(self, k_scale, v_scale, num_heads: int):
+    """float32 ``[2, H]``: the K and V global scale of each KV head (ones when unused)."""
+    used = self.has_tensor_scales
+    return jnp.stack([quant.per_head_scales(s if used else None, num_heads)
+                      for s in (k_scale, v_scale)])
+
+  def q_operand(self, q):
+    """q in the compute dtype (float16 operands: clamped to float16's range)."""
+    if self.compute == np.dtype(np.float16) and q.dtype != np.dtype(np.float16):
+      return quant.to_f16_saturating(q)
+    return q.astype(self.compute)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainOperands(Operands):
+  """bf16 / f16 caches read with queries of the same dtype: K is read where it lands."""
+
+  @staticmethod
+  def compute_dtype(spec, q_dtype) -> np.dtype:
+    return np.dtype(spec.storage_dtype)
+
+  @classmethod
+  def reason(cls, spec, q_dtype) -> Optional[str]:
+    why = super().reason(spec, q_dtype)
+    if why is not None:
+      return why
+    storage = np.dtype(spec.storage_dtype)
+    if storage not in _SIXTEEN_BIT:
+      return f"cache storage {storage}: the Mosaic GPU kernels take bfloat16/float16"
+    if np.dtype(q_dtype) != storage:
+      return f"q dtype {np.dtype(q_dtype)} differs from the cache's {storage}"
+    return None
+
+  def v_values(self, slot_ref):
+    from jax.experimental.pallas import mosaic_gpu as plgpu   # noqa: PLC0415
+    from pallas_kernels.mosaic_gpu.compat import load_whole   # noqa: PLC0415
+    return load_whole(slot_ref, layout=plgpu.Layout.WGMMA)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Operands(Operands):
+  """fp8 per tensor (e4m3 / e5m2): K becomes float16 in registers, V on its way to the V
+  buffer."""
+  #: Bytes land with the 32-byte swizzle: with the 128-byte one (fewer TMA copies, but the
+  #: 4-byte upcast loads of its tiles) a decode step took 1.3x as long on the H200 (64 x 4096,
+  #: 327-337 vs 238-248 us; benchmarks/RESULTS.md).
+  landing_swizzle: ClassVar[Optional[int]] = 32
+  k_in_registers: ClassVar[bool] = True
+
+  @staticmethod
+  def compute_dtype(spec, q_dtype) -> np.dtype:
+    del spec, q_dtype
+    return np.dtype(np.float16)
+
+  def _to_f16(self, slot_ref):
+    """The slot's values as float16 in the WGMMA register layout: 4-byte loads of the bytes
+    (the layout made for upcasts), then one warp shuffle."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu   # noqa: PLC0415
+    from pallas_kernels.mosaic_gpu.compat import load_whole   # noqa: PLC0415
+    x = load_whole(slot_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(self.compute)
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+  def k_operand(self, slot_ref):
+    return self._to_f16(slot_ref)
+
+  def v_values(self, slot_ref):
+    return self._to_f16(slot_ref)

@@ -1,0 +1,201 @@
+"""Mosaic GPU paged decode kernel (pallas_kernels.mosaic_gpu.decode), everything a CPU can check.
+
+* geometry: the GQA groups whose queries fit the kernel's 16 query columns, K/V slots that fit
+  two blocks per SM, page pieces, the split rule;
+* which calls take it: formats with Mosaic GPU hooks, decode batches, the auto rule;
+* lowering to Mosaic GPU IR for CUDA with ``jax.export(platforms=["cuda"])`` (TMA boxes, wgmma
+  shapes and transposes, shared-memory transforms, cross-warp reductions, barriers);
+* numerics in Mosaic GPU interpret mode against ``kvjax.reference.unified_attention`` on
+  NaN-poisoned caches (jax >= 0.11: CI on 0.10.2 skips it; ``benchmarks/bench_decode.py``
+  runs the compiled kernel's checks on an H200, ``KVJAX_TEST_COMPILED=1`` the op suite).
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import kvjax
+from kvjax import registry
+from kvjax.reference import unified_attention as ref_attention
+from kvjax.reference import write_kv
+from pallas_kernels.mosaic_gpu import attention as MA
+from pallas_kernels.mosaic_gpu import decode_geometry as DG
+from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
+from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
+from pallas_kernels.mosaic_gpu.formats import Fp8Operands, PlainOperands, hooks_class
+
+BF16 = jnp.bfloat16
+
+
+# -- geometry ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 8, 11])
+def test_group_fits_the_query_columns_exactly_when_every_head_does(num_kv_heads):
+  for group in range(1, 33):
+    why = DG.group_reason(group, num_kv_heads)
+    geo = DG.DecodeGeometry(group, 16, 128)
+    need = max(geo.col_offset(h) + group for h in range(num_kv_heads))
+    assert (why is None) == (need <= geo.cols), (group, why)
+    for h in range(num_kv_heads):        # head h's rows start on an 8-row tile
+      assert (h * group - geo.col_offset(h)) % DG.ALIGN_ROWS == 0
+  for group in (1, 2, 4, 7, 8, 9, 16):   # every group up to 9, and the aligned ones up to 16
+    assert DG.group_reason(group, 8) is None
+  assert "GQA group 11" in DG.group_reason(11, 8)
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("head_size", [64, 128, 192, 256])
+def test_geometry_fits_two_blocks_per_sm(cache_dtype, head_size):
+  spec = kvjax.KVCacheSpec(8, head_size, 16, cache_dtype, dtype=BF16)
+  ops = hooks_class(spec.codec).of(spec, BF16)
+  geo = DG.choose_geometry(ops, 4, 16, head_size)
+  assert geo.stages >= 2
+  if geo.stages > 2:
+    assert DG.BLOCKS_PER_SM * geo.smem_bytes(ops) <= DG.SMEM_BUDGET
+  bigger = dataclasses.replace(geo, stages=geo.stages + 1)
+  assert geo.stages == 8 or DG.BLOCKS_PER_SM * bigger.smem_bytes(ops) > DG.SMEM_BUDGET
+
+
+def test_geometry_rejects_what_the_kernel_cannot_tile():
+  with pytest.raises(ValueError, match="head_size=96"):
+    DG.DecodeGeometry(4, 16, 96)
+  with pytest.raises(ValueError, match="block_kv=128"):
+    DG.DecodeGeometry(4, 16, 128, block_kv=128)
+  with pytest.raises(ValueError, match="stages=1"):
+    DG.DecodeGeometry(4, 16, 128, stages=1)
+  with pytest.raises(ValueError, match="block_size=20"):   # copies of gcd(20, 64) = 4 tokens
+    DG.DecodeGeometry(4, 20, 128)
+  assert DG.DecodeGeometry(4, 24, 128).piece == 8
+  for n in (16, 32, 48, 64, 128, 256):
+    geo = DG.DecodeGeometry(4, n, 128)
+    assert n % geo.piece == 0 and geo.block_kv % geo.piece == 0 and geo.piece % 8 == 0
+
+
+def test_split_rule_fills_the_sms():
+  slots = DG.BLOCKS_PER_SM * 132
+  assert DG.num_splits_for(64, 8, 64) == 1              # 512 blocks: two full waves, nearly
+  assert DG.num_splits_for(256, 8, 16) == 1
+  for seqs, heads in ((8, 8), (16, 8), (1, 8), (3, 2), (100, 1)):
+    k = DG.num_splits_for(seqs, heads, 512)
+    base = seqs * heads
+    fill = base * k / (-(-base * k // slots) * slots)   # busy share of the waves
+    assert fill >= 0.75 and k <= 64, (seqs, heads, k, fill)
+  assert DG.num_splits_for(1, 1, 7) == 1                # at least 4 steps a split
+  assert DG.num_splits_for(1, 1, 12) == 3
+
+
+# -- which calls take it -----------------------------------------------------------------------
+def test_decode_reason():
+  assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), BF16, 4) is None
+  assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8", dtype=BF16), BF16, 4) is None
+  assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8_e5m2", layout="HND"), BF16) is None
+  assert "mosaic_gpu is None" in decode_reason(
+      kvjax.KVCacheSpec(8, 128, 16, "int8_per_token_head"), BF16)
+  assert "head_size=80" in decode_reason(kvjax.KVCacheSpec(8, 80, 16, dtype=BF16), BF16)
+  assert "differs" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), jnp.float16)
+  assert "float32" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), jnp.float32)
+  assert "GQA group 11" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), BF16, 11)
+  assert hooks_class(kvjax.KVCacheSpec(2, 64, 16).codec) is PlainOperands
+  assert hooks_class(kvjax.KVCacheSpec(2, 64, 16, "fp8").codec) is Fp8Operands
+
+
+def test_auto_rule_for_decode_batches():
+  def call(tokens, seqs, mql, hq=32):
+    return registry.AttentionCall(num_tokens=tokens, num_q_heads=hq, num_seqs=seqs,
+                                  max_blocks=256, max_query_len=mql)
+  plain = kvjax.KVCacheSpec(8, 128, 16, dtype=BF16)
+  why = MA.prefer_attention(plain, BF16, call(64, 64, 1))
+  assert (why is None) == MA.AUTO_DECODE
+  int8 = kvjax.KVCacheSpec(8, 128, 16, "int8_per_token_head")
+  assert "decode batch" in MA.prefer_attention(int8, BF16, call(64, 64, 1))
+  # not a decode batch: the ragged kernel's rule
+  assert "Triton kernels are faster" in MA.prefer_attention(plain, BF16, call(64, 16, 4))
+  assert MA.prefer_attention(plain, BF16, call(16384, 4, 4096)) is None
+  assert MA._decode_kernel_reason(plain, BF16, 64, 64, 32, 1) is None
+  assert "not a decode batch" in MA._decode_kernel_reason(plain, BF16, 65, 64, 32, 1)
+  assert "not a decode batch" in MA._decode_kernel_reason(plain, BF16, 64, 64, 32, None)
+
+
+# -- lowering for CUDA -------------------------------------------------------------------------
+LOWER_CASES = [
+    # cache_dtype, layout, H, G, D, N, kwargs
+    ("bfloat16", "NHD", 2, 4, 128, 16, {}),
+    ("fp8", "HND", 2, 7, 64, 32, dict(sliding_window=64, soft_cap=30.0, sinks=True)),
+    pytest.param("float16", "HND", 3, 16, 256, 128, dict(num_splits=3), marks=pytest.mark.slow),
+    pytest.param("fp8_e5m2", "NHD", 1, 1, 192, 48, {}, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("cache_dtype,layout,h,group,head_size,block_size,kw", LOWER_CASES)
+def test_lowers_to_mosaic_gpu_for_cuda(cache_dtype, layout, h, group, head_size, block_size, kw):
+  dtype = jnp.float16 if cache_dtype == "float16" else BF16
+  spec = kvjax.KVCacheSpec(h, head_size, block_size, cache_dtype, layout=layout, dtype=dtype)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  q = jax.ShapeDtypeStruct((5, h * group, head_size), dtype)
+  cache = jax.ShapeDtypeStruct(spec.physical_shape(32), spec.storage_dtype)
+  kw = dict(kw)
+  if kw.pop("sinks", False):
+    kw["sinks"] = jnp.zeros(h * group, jnp.float32)
+
+  def f(q, c, sl, bt, scale, ks):
+    return paged_decode_attention(q, c, spec, seq_lens=sl, block_table=bt, scale=scale,
+                                  k_scale=ks, v_scale=ks, **kw)
+  f32 = jax.ShapeDtypeStruct((), jnp.float32)
+  text = export.export(jax.jit(f), platforms=["cuda"])(q, cache, i32(5), i32(5, 8), f32,
+                                                         f32).mlir_module()
+  assert "mosaic_gpu" in text
+
+
+# -- numerics in interpret mode ----------------------------------------------------------------
+needs_interpreter = pytest.mark.skipif(
+    JAX_VERSION < (0, 11), reason="Mosaic GPU interpret mode of jax < 0.11 lacks OOB TMA reads "
+    "and transposed wgmma operands")
+
+INTERPRET_CASES = [
+    # cache_dtype, layout, H, G, D, N, seq_lens, kwargs
+    ("bfloat16", "NHD", 2, 4, 64, 16, [1, 70, 0, 130], dict(num_splits=2)),
+    ("fp8", "HND", 2, 7, 64, 32, [200, 5], dict(sliding_window=40, soft_cap=5.0, sinks=True)),
+    ("bfloat16", "HND", 1, 16, 64, 48, [65, 129], {}),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cache_dtype,layout,h,group,head_size,block_size,lens,kw",
+                         INTERPRET_CASES)
+def test_interpret_matches_reference(rng, cache_dtype, layout, h, group, head_size, block_size,
+                                     lens, kw):
+  spec = kvjax.KVCacheSpec(h, head_size, block_size, cache_dtype, layout=layout, dtype=BF16)
+  n = block_size
+  pages = [max(1, -(-ln // n)) for ln in lens]
+  width = max(pages) + 1
+  num_blocks = sum(pages) + 3
+  perm = rng.permutation(num_blocks)
+  bt = np.full((len(lens), width), perm[-1], np.int32)        # unused entries: a NaN page
+  used = 0
+  for s, p in enumerate(pages):
+    bt[s, :p] = perm[used:used + p]
+    used += p
+  cache = jnp.full(spec.physical_shape(num_blocks), jnp.nan, jnp.float32).astype(
+      spec.storage_dtype)
+  slots = np.concatenate([bt[s, np.arange(ln) // n] * n + np.arange(ln) % n
+                          for s, ln in enumerate(lens)]).astype(np.int32)
+  k, v = (jnp.asarray(rng.standard_normal((len(slots), h, head_size)), BF16) for _ in range(2))
+  scales = 0.5 if spec.codec.has_tensor_scales else None
+  cache = write_kv(cache, k, v, jnp.asarray(slots), spec, k_scale=scales, v_scale=scales)
+  q = jnp.asarray(rng.standard_normal((len(lens), h * group, head_size)), BF16)
+  kw = dict(kw, scale=head_size ** -0.5, k_scale=scales, v_scale=scales)
+  if kw.pop("sinks", False):
+    kw["sinks"] = jnp.asarray(rng.standard_normal(h * group), jnp.float32)
+  meta = dict(seq_lens=jnp.asarray(lens, jnp.int32), block_table=jnp.asarray(bt))
+  out = np.asarray(paged_decode_attention(q, cache, spec, interpret=True, **meta, **kw),
+                   np.float32)
+  kw.pop("num_splits", None)
+  want = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, **kw))(
+      q, cache, query_start_loc=jnp.arange(len(lens) + 1, dtype=jnp.int32), **meta),
+      np.float32)
+  assert np.isfinite(out).all()
+  assert not out[np.asarray(lens) == 0].any(), "a sequence with no keys outputs 0"
+  np.testing.assert_allclose(out, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
