@@ -60,7 +60,7 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
       ``ceil(seq_lens[s] / block_size)`` entries of a row are read; the rest may hold anything
       (padding, -1).
     scale: the softmax scale, usually ``head_size ** -0.5``; a Python float or a float32
-      scalar, traced under ``jit`` too (``impl="mosaic_tpu"`` needs a Python float).
+      scalar, traced under ``jit`` too (every implementation takes either).
     causal: True (default): query position ``p`` sees keys at positions ``<= p``; False: every
       key of its sequence (``< seq_lens[s]``).
     sliding_window: None, or W >= 1: query position ``p`` also sees only keys ``> p - W``

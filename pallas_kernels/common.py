@@ -60,6 +60,12 @@ def float32_words(table):
   return jax.lax.bitcast_convert_type(table.reshape(r, e // 4, 4), jnp.float32)
 
 
+def static_or_none(x):
+  """``float(x)`` when ``x`` has a value now (a Python number or a concrete array); None when
+  it is traced under ``jit`` (the kernels then read it from an operand)."""
+  return None if isinstance(x, jax.core.Tracer) else float(x)
+
+
 def merge_splits(acc, m, l, sinks, num_groups: int):
   """Combine split-KV partials into normalized outputs (XLA).
 

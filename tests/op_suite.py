@@ -65,7 +65,6 @@ def exact_bytes(name: str, interpret: bool) -> bool:
 KNOWN_GAPS = {
     ("attention", "mosaic_tpu", "metadata_rules"):
         "does not apply kvjax.ragged_batch's rules to metadata outside the contract yet",
-    ("attention", "mosaic_tpu", "traced_scale"): "needs a static softmax scale",
 }
 
 

@@ -191,6 +191,21 @@ def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max
   assert "mosaic_gpu" in text
 
 
+def test_lowers_with_a_traced_softmax_scale():
+  """A scale traced under jit is read by the kernel from an operand (no float() of a tracer)."""
+  spec = kvjax.KVCacheSpec(2, 128, 16, dtype=jnp.bfloat16)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+
+  def f(q, c, qsl, sl, bt, scale):
+    return ragged_paged_attention(q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
+                                  scale=scale, max_query_len=64)
+  text = export.export(jax.jit(f), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16),
+      jax.ShapeDtypeStruct(spec.physical_shape(32), jnp.bfloat16), i32(5), i32(4), i32(4, 8),
+      jax.ShapeDtypeStruct((), jnp.float32)).mlir_module()
+  assert "mosaic_gpu" in text
+
+
 # -- TMA alignment ---------------------------------------------------------------------------
 def _gmem_to_smem_copies(closed_jaxpr):
   """(source shape, lands in a tiled buffer) of every GMEM -> SMEM copy in the traced kernel."""

@@ -205,14 +205,15 @@ def test_metadata_outside_the_contract_gives_the_reference_answer(rng, impl, qsl
 @pytest.mark.parametrize("max_query_len", [1, pytest.param(8, marks=SLOW)])
 @pytest.mark.parametrize("impl", implementations("attention"))
 def test_traced_softmax_and_tensor_scales(rng, impl, max_query_len, request):
-  """jax.jit(kvjax.unified_attention) traces every argument, the softmax scale included."""
-  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16, cache_dtype="fp8")
+  """jax.jit(kvjax.unified_attention) traces every argument, the softmax scale included
+  (head size 64: every kernel takes it)."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, cache_dtype="fp8")
   interpret = run_mode("attention", impl, spec, jnp.bfloat16)
   known_gap(request, "attention", impl, "traced_scale")
   cache = _full_cache(rng, spec, 6)
   s = 3
   t = s if max_query_len == 1 else 8
-  q = jnp.asarray(rng.standard_normal((t, 4, 32)), jnp.bfloat16)
+  q = jnp.asarray(rng.standard_normal((t, 4, 64)), jnp.bfloat16)
   meta = dict(query_start_loc=jnp.asarray([0, 1, 2, 3] if max_query_len == 1 else [0, 1, 6, 8],
                                           jnp.int32),
               seq_lens=jnp.asarray([5, 30, 44], jnp.int32),

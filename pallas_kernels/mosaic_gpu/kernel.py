@@ -67,7 +67,7 @@ class KernelStatics:
   window: Optional[int]
   soft_cap: Optional[float]
   has_sinks: bool
-  scale: float
+  scale: Optional[float]     # None: traced, read from the kernel's scale operand
   dtype: object              # q / cache element dtype (16-bit)
   interpret: bool = False    # Mosaic GPU interpret mode (CPU)
   pv: str = TL.DEFAULT_PV      # one of tiles.PV_VARIANTS
@@ -96,7 +96,7 @@ def _kv_box(cache_ref, st: KernelStatics, blk, h, off, n, side):
   return cache_ref.at[blk, h, pl.ds(off, n), cols]
 
 
-def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
+def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scratch, *,
             st: KernelStatics):
   ((q_smem, o_smem, k_smem, v_smem, p_smem), q_bars, (k_bars, v_bars), (k_free, v_free),
    sched_bar) = scratch
@@ -170,11 +170,12 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
       plgpu.barrier_arrive(sched_bar)
       plgpu.barrier_wait(sched_bar)
 
-    # Scores enter the exp2 domain scaled by scale * log2(e): without a soft cap the factor
-    # folds into the exponent's fused multiply-add (max(s) * f == max(s * f) for f > 0);
-    # with one, s is scaled before the tanh.
-    fold = st.soft_cap is None and st.scale > 0
+    # Scores enter the exp2 domain scaled by scale * log2(e): without a soft cap and with a
+    # static positive scale the factor folds into the exponent's fused multiply-add
+    # (max(s) * f == max(s * f) for f > 0); otherwise s is scaled first (before the tanh).
+    fold = st.soft_cap is None and st.scale is not None and st.scale > 0
     to_log2 = (lambda x: x * (st.scale * _LOG2E)) if fold else (lambda x: x)
+    log2_factor = (st.scale if st.scale is not None else scale_ref[0]) * _LOG2E
 
     def step(j, carry, masked: bool):
       acc, m, l = carry
@@ -188,7 +189,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref, scratch, *,
       s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
       if not fold:
-        s = s * (st.scale * _LOG2E)
+        s = s * log2_factor
       if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
         cap = st.soft_cap * _LOG2E
         s = cap * jnp.tanh(s * (1.0 / cap))
@@ -356,11 +357,13 @@ def _store_rows(o_stage, o_ref, sl: TL.Slab, tok0, nq, head):
     size //= 2
 
 
-def ragged_attention_call(meta, block_table_flat, sinks, q, cache, *, st: KernelStatics):
+def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
+                          st: KernelStatics):
   """Launch the kernel.
 
   meta: int32 ``[META_ROWS, num_tiles]`` (:func:`tiles.tile_metadata`); block_table_flat:
-  int32 ``[S * max_blocks]``; sinks: float32 ``[Hq]`` (ignored without sinks); q:
+  int32 ``[S * max_blocks]``; sinks: float32 ``[Hq]`` (ignored without sinks); scale: float32
+  ``[1]``, the softmax scale (read only when ``st.scale`` is None: traced); q:
   ``[T, Hq, D]``; cache: the physical cache. With ``st.interpret`` the kernel runs on CPU in
   Mosaic GPU interpret mode (warpgroups as threads, simulated TMA and barriers). Returns
   ``[T, Hq, D]`` in q's dtype.
@@ -379,10 +382,10 @@ def ragged_attention_call(meta, block_table_flat, sinks, q, cache, *, st: Kernel
 
   sched_bar = plgpu.Barrier(num_arrivals=2) if st.ping_pong and geo.num_wgs == 2 else None
 
-  def kvjax_mgpu_ragged(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref):
+  def kvjax_mgpu_ragged(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref):
     pl.run_scoped(
-        lambda *scratch: _kernel(meta_ref, bt_ref, sinks_ref, q_ref, cache_ref, o_ref,
-                                 scratch, st=st),
+        lambda *scratch: _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref,
+                                 o_ref, scratch, st=st),
         smem, q_bars, (kv_bars, kv_bars), (free_bars, free_bars), sched_bar,
         collective_axes="wg")
 
@@ -396,4 +399,4 @@ def ragged_attention_call(meta, block_table_flat, sinks, q, cache, *, st: Kernel
       interpret=interpret_params() if st.interpret else None,
       compiler_params=plgpu.CompilerParams(   # Lane semantics on every version: compat.py
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-  )(meta, block_table_flat, sinks, q, cache)
+  )(meta, block_table_flat, sinks, scale, q, cache)

@@ -20,6 +20,7 @@ import numpy as np
 from kvjax import plain_copy as PC
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
+from pallas_kernels.common import static_or_none
 from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
 
@@ -120,7 +121,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     cache: the spec's physical cache (NHD ``(B, N, H, 2D)`` or HND ``(B, H, N, 2D)``).
     query_start_loc: int32 ``[S+1]``; seq_lens: int32 ``[S]``; block_table: int32
       ``[S, max_blocks]``.
-    scale: softmax scale. causal, sliding_window, soft_cap: static.
+    scale: softmax scale (a float or a traced scalar). causal, sliding_window, soft_cap:
+      static.
     sinks: float32 ``[Hq]`` per-query-head sink logits or None.
     k_scale, v_scale: global scales of a quantized cache (read through a plain copy).
     max_query_len: static bound on every sequence's query length (None = T); its power-of-two
@@ -189,9 +191,9 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       num_blocks=spec.num_blocks_of(cache), max_blocks=max_blocks, num_tiles=num_tiles,
       causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
-      scale=float(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv,
+      scale=static_or_none(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv,
       ping_pong=bool(ping_pong))
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
-  return K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk, q, cache,
-                                 st=st)
+  return K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk,
+                                 jnp.asarray(scale, jnp.float32).reshape(1), q, cache, st=st)

@@ -62,7 +62,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   Args:
     q: ``[T, Hq, D]``. cache: the spec's physical array. query_start_loc: int32 ``[S+1]``;
       seq_lens: int32 ``[S]``; block_table: int32 ``[S, max_blocks]`` (all may be traced).
-    scale, causal, sliding_window, soft_cap: static options. sinks: float32 ``[Hq]`` or None.
+    scale: softmax scale (a float or a traced scalar). causal, sliding_window, soft_cap:
+      static options. sinks: float32 ``[Hq]`` or None.
     k_scale, v_scale: fp8 per-tensor scales, None or float32 scalar / ``[H]``.
     max_query_len: static bound on any sequence's query length (None = T).
     interpret: True runs in TPU interpret mode (CPU), False compiles for a TPU; see
@@ -89,18 +90,20 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     per_row = jnp.tile(jnp.asarray(sinks, jnp.float32).reshape(h, plan.group), (1, plan.tokens))
     inputs.append(jnp.broadcast_to(per_row[:, :, None], (h, plan.rows, _LANES)))
     in_specs.append(pl.BlockSpec((h, plan.rows, _LANES), lambda j, meta, bt: (0, 0, 0)))
+  # Per KV head: the scores' factor (softmax scale x K scale) and the V scale, read from SMEM
+  # (so the softmax scale may be traced).
   tensor_scales = spec.format.kind == F.FP8_PER_TENSOR
-  if tensor_scales:
-    inputs.append(jnp.stack([jnp.broadcast_to(jnp.asarray(1.0 if s is None else s, jnp.float32),
-                                              (h,)) for s in (k_scale, v_scale)]))
-    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+  k_s, v_s = (jnp.broadcast_to(jnp.asarray(1.0 if x is None or not tensor_scales else x,
+                                           jnp.float32), (h,)) for x in (k_scale, v_scale))
+  inputs.append(jnp.stack([jnp.asarray(scale, jnp.float32) * k_s, v_s]))
+  in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
   inputs.append(cache)
   in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
 
   page_shape = cache.shape[1:]
   kernel = functools.partial(
       _attention_kernel, plan=plan, codec=RowCodec.of(spec), layout=spec.layout,
-      num_blocks=cache.shape[0], max_blocks=max_blocks, scale=float(scale), causal=causal,
+      num_blocks=cache.shape[0], max_blocks=max_blocks, causal=causal,
       sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
       has_sinks=sinks is not None, tensor_scales=tensor_scales, cd=compute_dtype(q.dtype))
   out_tiles = pl.pallas_call(
@@ -124,12 +127,13 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
 
 
 def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: RowCodec,
-                      layout: str, num_blocks: int, max_blocks: int, scale: float, causal: bool,
+                      layout: str, num_blocks: int, max_blocks: int, causal: bool,
                       sliding_window, soft_cap, has_sinks: bool, tensor_scales: bool, cd):
-  """One query tile over its sequence's visible keys, all KV heads."""
+  """One query tile over its sequence's visible keys, all KV heads. ``scales_ref``: float32
+  ``[2, H]`` SMEM, the scores' factor (softmax scale x K scale) and the V scale per head."""
   refs = list(refs)
   sink_ref = refs.pop(0) if has_sinks else None
-  scales_ref = refs.pop(0) if tensor_scales else None
+  scales_ref = refs.pop(0)
   cache_hbm, o_ref, buf, sems, m_ref, l_ref, acc_ref = refs
   heads, rows_n, d = acc_ref.shape
   g, n, pps = plan.group, plan.block_size, plan.pages_per_step
@@ -190,7 +194,7 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: 
       s = jax.lax.dot_general(qh, _side_tile(buf, slot, hh, 0, codec, layout, cd),
                               (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                               precision=_HIGHEST if cd == jnp.float32 else None)
-      s = s * (scale * scales_ref[0, hh] if tensor_scales else scale)
+      s = s * scales_ref[0, hh]
       if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
       s = jnp.where(mask, s, -jnp.inf)

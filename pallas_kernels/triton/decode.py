@@ -13,23 +13,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from kvjax import quant
-from pallas_kernels.common import float32_words, merge_splits
+from pallas_kernels.common import float32_words, merge_splits, static_or_none
 from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits, default_config
 from pallas_kernels.triton.decode_kernel import decode_call
 from pallas_kernels.triton.formats import TileFormat
-
-
-def static_or_none(x):
-  """``float(x)`` when ``x`` has a value now (a Python number or a concrete array); None when
-  it is traced under ``jit`` (the kernels then read it from an operand)."""
-  return None if isinstance(x, jax.core.Tracer) else float(x)
 
 
 def _kernel_scales(tf: TileFormat, k_scale, v_scale, scale=None):

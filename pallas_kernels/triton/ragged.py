@@ -33,9 +33,8 @@ from kvjax import plain_copy as PC
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
-from pallas_kernels.common import float32_words, next_pow2
+from pallas_kernels.common import float32_words, next_pow2, static_or_none
 from pallas_kernels.triton import ragged_kernel
-from pallas_kernels.triton.decode import static_or_none
 from pallas_kernels.triton.formats import TileFormat
 
 _MAX_ROWS = 256
