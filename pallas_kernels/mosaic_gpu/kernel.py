@@ -363,7 +363,8 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
 
   meta: int32 ``[META_ROWS, num_tiles]`` (:func:`tiles.tile_metadata`); block_table_flat:
   int32 ``[S * max_blocks]``; sinks: float32 ``[Hq]`` (ignored without sinks); scale: float32
-  ``[1]``, the softmax scale (read only when ``st.scale`` is None: traced); q:
+  ``[1]``, the softmax scale when it is traced (``st.scale`` None; the kernel's operand only
+  then), else None; q:
   ``[T, Hq, D]``; cache: the physical cache. With ``st.interpret`` the kernel runs on CPU in
   Mosaic GPU interpret mode (warpgroups as threads, simulated TMA and barriers). Returns
   ``[T, Hq, D]`` in q's dtype.
@@ -382,7 +383,10 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
 
   sched_bar = plgpu.Barrier(num_arrivals=2) if st.ping_pong and geo.num_wgs == 2 else None
 
-  def kvjax_mgpu_ragged(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref):
+  traced = st.scale is None     # the scale operand exists only then
+
+  def kvjax_mgpu_ragged(meta_ref, bt_ref, sinks_ref, *refs):
+    scale_ref, (q_ref, cache_ref, o_ref) = (refs[0], refs[1:]) if traced else (None, refs)
     pl.run_scoped(
         lambda *scratch: _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref,
                                  o_ref, scratch, st=st),
@@ -399,4 +403,4 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
       interpret=interpret_params() if st.interpret else None,
       compiler_params=plgpu.CompilerParams(   # Lane semantics on every version: compat.py
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-  )(meta, block_table_flat, sinks, scale, q, cache)
+  )(meta, block_table_flat, sinks, *((scale,) if traced else ()), q, cache)

@@ -195,5 +195,6 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       ping_pong=bool(ping_pong))
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
+  traced_scale = None if st.scale is not None else jnp.asarray(scale, jnp.float32).reshape(1)
   return K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk,
-                                 jnp.asarray(scale, jnp.float32).reshape(1), q, cache, st=st)
+                                 traced_scale, q, cache, st=st)
