@@ -1,5 +1,5 @@
-"""Helpers every kernel backend shares: sizes, float32 <-> bytes without a bitcast, and the
-XLA merge of split-KV partials.
+"""Helpers every kernel backend shares: sizes, float32 <-> bytes without a bitcast, the dot
+operand dtype rule, and the XLA merge of split-KV partials.
 
 Number-format formulas (rounding, e2m1, int4 nibbles and scales, the nvfp4 V-scale swizzle)
 are in :mod:`kvjax.quant`, shared with the reference; row addresses in
@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from kvjax import quant
 
 _U32 = jnp.uint32
 
@@ -58,6 +61,37 @@ def float32_words(table):
   kernels that read 4-byte scales stored among byte data with one load."""
   r, e = table.shape
   return jax.lax.bitcast_convert_type(table.reshape(r, e // 4, 4), jnp.float32)
+
+
+#: The 16-bit float dtypes the kernels take as dot operands.
+SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def compute_dtype(codec, storage, q_dtype) -> np.dtype:
+  """Dot operand dtype, one rule for every kernel of every GPU backend.
+
+  Quantized caches (fp8, int8, int4 codes, e2m1 x e4m3) with 16-bit queries: float16. Every
+  dequantized value (before scales) is exact in it, fp8 and the integer codes convert to it
+  in fewer instructions than to bfloat16 (e4m3 -> float16 is one conversion per two values
+  on Hopper; bfloat16 goes through float32), and its 10 mantissa bits hold q and the softmax
+  weights more precisely than bfloat16's 7. Queries are clamped to float16's range.
+  An unquantized cache computes in its own dtype when q has it, else in float32 (a float32
+  or float16 cache read with bfloat16 queries).
+  """
+  q_dtype = np.dtype(q_dtype)
+  if q_dtype in SIXTEEN_BIT and codec.is_quantized:
+    return np.dtype(np.float16)
+  if q_dtype in SIXTEEN_BIT and np.dtype(storage) == q_dtype:
+    return q_dtype
+  return np.dtype(np.float32)
+
+
+def as_operand(x, dtype):
+  """``x`` (q, or a 16-bit tile) as a dot operand of ``dtype``; float16 operands are clamped
+  to float16's range (a bfloat16 value beyond it would otherwise become inf)."""
+  if np.dtype(dtype) == np.dtype(np.float16) and x.dtype != np.dtype(np.float16):
+    return quant.to_f16_saturating(x)
+  return x.astype(dtype)
 
 
 def static_or_none(x):

@@ -82,6 +82,13 @@ class Codec:
   def is_quantized(self) -> bool:
     return self.quant is not None
 
+  def tensor_scales(self, k_scale, v_scale, num_heads: int):
+    """float32 ``[2, H]``: the K and V global scale of each KV head, ones when the format
+    has none (vLLM passes scales to every backend; kernels multiply by them blindly)."""
+    used = self.has_tensor_scales
+    return jnp.stack([quant.per_head_scales(s if used else None, num_heads)
+                      for s in (k_scale, v_scale)])
+
   def storage_dtype(self, model_dtype) -> np.dtype:
     return np.dtype(model_dtype) if self.storage is None else self.storage
 

@@ -41,8 +41,7 @@ def prefer_attention(spec, q_dtype, call):
   (:func:`.ragged_attention.prefer_attention`)."""
   if call is not None and RB.is_decode_batch(call.num_tokens, call.num_seqs,
                                              call.max_query_len):
-    why = _decode_kernel_reason(spec, q_dtype, call.num_tokens, call.num_seqs,
-                                call.num_q_heads, call.max_query_len)
+    why = decode_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
     if why is not None:
       return f"decode batch: {why}"
     return None if AUTO_DECODE else ("decode batch: the Triton decode kernel is faster "

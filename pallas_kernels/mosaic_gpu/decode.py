@@ -85,7 +85,7 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   seq_c = jnp.minimum(seq, num_seqs - 1)
   lens = jnp.where(real, jnp.clip(jnp.asarray(seq_lens, jnp.int32), 0, capacity)[seq_c], 0)
   bt = jnp.asarray(block_table, jnp.int32)[seq_c].reshape(-1)
-  scales = ops.tensor_scales(k_scale, v_scale, h)                      # [2, H]
+  scales = spec.codec.tensor_scales(k_scale, v_scale, h)               # [2, H]
   factors = (jnp.asarray(scale, jnp.float32) * math.log2(math.e)) * scales[0]
   splits = num_splits or DG.num_splits_for(num_rows, h, cdiv(capacity, geo.block_kv))
   st = DK.DecodeStatics(

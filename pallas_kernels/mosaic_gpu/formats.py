@@ -15,16 +15,14 @@ A hook object is static (frozen, hashable) and answers:
   shared memory only, with the narrow swizzle ``P^T``'s 16 columns allow), the rows of keys
   the step must not see set to 0 (stale cache bytes may be NaN, and ``0 * NaN`` would reach
   the output);
-- :meth:`Operands.tensor_scales` -- in XLA: float32 ``[2, H]`` global K / V scales per KV
-  head (ones when the format has none): scores are multiplied by the K scale in the kernel,
-  outputs by the V scale after it.
 
 :class:`PlainOperands` (bf16 / f16 caches read with queries of their dtype): K is read where it
 lands. :class:`Fp8Operands` (fp8 per tensor, e4m3 / e5m2): K is converted to float16 in
 registers (loaded four bytes at a time, one warp shuffle to the wgmma register layout), V to
 float16 on its way to the V buffer (every e4m3 / e5m2 value is exact in float16; e4m3 -> f16
-is one instruction per two values on Hopper). Queries go to float16 too (saturating), as in
-the Triton kernels (:func:`pallas_kernels.triton.formats.compute_dtype`).
+is one instruction per two values on Hopper). Queries go to float16 too (saturating): one
+operand-dtype rule for every GPU kernel, :func:`pallas_kernels.common.compute_dtype`. The
+global K / V scales come from the codec (:meth:`kvjax.codecs.Codec.tensor_scales`).
 """
 from __future__ import annotations
 
@@ -34,10 +32,7 @@ from typing import ClassVar, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import quant
-
-_SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
-
+from pallas_kernels.common import SIXTEEN_BIT, as_operand, compute_dtype
 
 def hooks_class(codec):
   """The hook class a codec names, or None when it has no Mosaic GPU hooks."""
@@ -50,27 +45,22 @@ class Operands:
 
   Attributes:
     storage: the cache array's dtype.
-    compute: the dtype of the wgmma operands (q's too).
-    has_tensor_scales: whether k_scale / v_scale take part (the codec's fact).
+    compute: the dtype of the wgmma operands (q's too):
+      :func:`pallas_kernels.common.compute_dtype`, the rule of every GPU kernel.
   """
   storage: np.dtype
   compute: np.dtype
-  has_tensor_scales: bool
 
   @classmethod
   def of(cls, spec, q_dtype) -> "Operands":
     """The hooks of ``spec``'s format for ``q_dtype`` queries."""
-    return cls(storage=np.dtype(spec.storage_dtype), compute=cls.compute_dtype(spec, q_dtype),
-               has_tensor_scales=spec.codec.has_tensor_scales)
-
-  @staticmethod
-  def compute_dtype(spec, q_dtype) -> np.dtype:
-    raise NotImplementedError
+    return cls(storage=np.dtype(spec.storage_dtype),
+               compute=compute_dtype(spec.codec, spec.storage_dtype, q_dtype))
 
   @classmethod
   def reason(cls, spec, q_dtype) -> Optional[str]:
     """None when this format and ``q_dtype`` run, else why not."""
-    if np.dtype(q_dtype) not in _SIXTEEN_BIT:
+    if np.dtype(q_dtype) not in SIXTEEN_BIT:
       return f"q dtype {np.dtype(q_dtype)}: the Mosaic GPU kernels take bfloat16/float16"
     return None
 
@@ -107,26 +97,14 @@ class Operands:
     v_ref[...] = x.astype(self.compute)
     commit()
 
-  def tensor_scales(self, k_scale, v_scale, num_heads: int):
-    """float32 ``[2, H]``: the K and V global scale of each KV head (ones when unused)."""
-    used = self.has_tensor_scales
-    return jnp.stack([quant.per_head_scales(s if used else None, num_heads)
-                      for s in (k_scale, v_scale)])
-
   def q_operand(self, q):
-    """q in the compute dtype (float16 operands: clamped to float16's range)."""
-    if self.compute == np.dtype(np.float16) and q.dtype != np.dtype(np.float16):
-      return quant.to_f16_saturating(q)
-    return q.astype(self.compute)
+    """q in the compute dtype (:func:`pallas_kernels.common.as_operand`)."""
+    return as_operand(q, self.compute)
 
 
 @dataclasses.dataclass(frozen=True)
 class PlainOperands(Operands):
   """bf16 / f16 caches read with queries of the same dtype: K is read where it lands."""
-
-  @staticmethod
-  def compute_dtype(spec, q_dtype) -> np.dtype:
-    return np.dtype(spec.storage_dtype)
 
   @classmethod
   def reason(cls, spec, q_dtype) -> Optional[str]:
@@ -134,7 +112,7 @@ class PlainOperands(Operands):
     if why is not None:
       return why
     storage = np.dtype(spec.storage_dtype)
-    if storage not in _SIXTEEN_BIT:
+    if storage not in SIXTEEN_BIT:
       return f"cache storage {storage}: the Mosaic GPU kernels take bfloat16/float16"
     if np.dtype(q_dtype) != storage:
       return f"q dtype {np.dtype(q_dtype)} differs from the cache's {storage}"
@@ -155,11 +133,6 @@ class Fp8Operands(Operands):
   #: 327-337 vs 238-248 us; benchmarks/RESULTS.md).
   landing_swizzle: ClassVar[Optional[int]] = 32
   k_in_registers: ClassVar[bool] = True
-
-  @staticmethod
-  def compute_dtype(spec, q_dtype) -> np.dtype:
-    del spec, q_dtype
-    return np.dtype(np.float16)
 
   def _to_f16(self, slot_ref):
     """The slot's values as float16 in the WGMMA register layout: 4-byte loads of the bytes

@@ -92,9 +92,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     in_specs.append(pl.BlockSpec((h, plan.rows, _LANES), lambda j, meta, bt: (0, 0, 0)))
   # Per KV head: the scores' factor (softmax scale x K scale) and the V scale, read from SMEM
   # (so the softmax scale may be traced).
-  tensor_scales = spec.format.kind == F.FP8_PER_TENSOR
-  k_s, v_s = (jnp.broadcast_to(jnp.asarray(1.0 if x is None or not tensor_scales else x,
-                                           jnp.float32), (h,)) for x in (k_scale, v_scale))
+  tensor_scales = spec.codec.has_tensor_scales
+  k_s, v_s = spec.codec.tensor_scales(k_scale, v_scale, h)
   inputs.append(jnp.stack([jnp.asarray(scale, jnp.float32) * k_s, v_s]))
   in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
   inputs.append(cache)

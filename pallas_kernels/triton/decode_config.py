@@ -34,7 +34,7 @@ class DecodeConfig:
       from a float32 view of the pages (one load instead of four byte loads a scale; the
       view is a bitcast: no copy, measured on the H200).
     compute_dtype: dot operand dtype by name ("float16", "bfloat16", "float32"); None = the
-      one rule of :func:`pallas_kernels.triton.formats.compute_dtype`.
+      one rule of :func:`pallas_kernels.common.compute_dtype`.
   """
   tokens_per_step: int = 64
   num_splits: Optional[int] = None

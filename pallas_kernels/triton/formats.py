@@ -35,11 +35,11 @@ from jax.experimental.pallas import triton as pltriton
 from kvjax import quant
 from kvjax.codecs import Codec, RowAddress
 from kvjax.codecs.nvfp4 import SideLayout
-from pallas_kernels.common import f32_from_bytes, f32_to_bytes, next_pow2, pack_words
+from pallas_kernels.common import (as_operand, compute_dtype, f32_from_bytes, f32_to_bytes,
+                                    next_pow2, pack_words)
 from pallas_kernels.triton.ieee import Divider
 
 _I32 = jnp.int32
-_SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 def hooks_class(codec: Codec):
@@ -52,25 +52,6 @@ def hooks_reason(spec):
   if hooks_class(spec.codec) is None:
     return f"cache_dtype={spec.cache_dtype!r} has no Triton hooks (its codec's triton is None)"
   return None
-
-
-def compute_dtype(codec: Codec, storage, q_dtype) -> np.dtype:
-  """Dot operand dtype, one rule for every kernel.
-
-  Quantized caches (fp8, int8, int4 codes, e2m1 x e4m3) with 16-bit queries: float16. Every
-  dequantized value (before scales) is exact in it, fp8 and the integer codes convert to it
-  in fewer instructions than to bfloat16 (e4m3 -> float16 is one conversion per two values
-  on Hopper; bfloat16 goes through float32), and its 10 mantissa bits hold q and the softmax
-  weights more precisely than bfloat16's 7. Queries are clamped to float16's range.
-  An unquantized cache computes in its own dtype when q has it, else in float32 (a float32
-  or float16 cache read with bfloat16 queries).
-  """
-  q_dtype = np.dtype(q_dtype)
-  if q_dtype in _SIXTEEN_BIT and codec.is_quantized:
-    return np.dtype(np.float16)
-  if q_dtype in _SIXTEEN_BIT and np.dtype(storage) == q_dtype:
-    return q_dtype
-  return np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,10 +153,8 @@ class TileFormat:
     return self.fast_decode and self.compute_dtype == np.dtype(np.float16)
 
   def q_operand(self, q):
-    """A q tile as a dot operand (float16 operands: clamped to float16's range)."""
-    if self.compute_dtype == np.dtype(np.float16) and q.dtype != np.dtype(np.float16):
-      return quant.to_f16_saturating(q)
-    return q.astype(self.compute_dtype)
+    """A q tile as a dot operand (:func:`pallas_kernels.common.as_operand`)."""
+    return as_operand(q, self.compute_dtype)
 
   def _cols(self):
     cols = jnp.arange(self.data_pad, dtype=_I32)
@@ -200,11 +179,8 @@ class TileFormat:
   write_defaults: ClassVar[tuple] = (1, True)
 
   def tensor_scales(self, k_scale, v_scale):
-    """float32 ``[2, H]``: the K and V global scale of each head (ones when the format has
-    none: vLLM passes scales to every backend)."""
-    used = self.codec.has_tensor_scales
-    return jnp.stack([quant.per_head_scales(s if used else None, self.num_heads)
-                      for s in (k_scale, v_scale)])
+    """float32 ``[2, H]``: :meth:`kvjax.codecs.Codec.tensor_scales`."""
+    return self.codec.tensor_scales(k_scale, v_scale, self.num_heads)
 
   def write_scales(self, k_scale, v_scale):
     """float32 ``[2H]``: :meth:`tensor_scales` as the write kernel reads them."""
