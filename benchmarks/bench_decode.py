@@ -166,17 +166,22 @@ def run_checks(rng, interpret, checks=CHECKS, lens=(1, 37, 300, 0, 64), config=N
     sk = jnp.asarray(rng.standard_normal(h * g), jnp.float32) if sinks else None
     kw = dict(seq_lens=sl, block_table=bt, scale=d ** -0.5, sliding_window=win, soft_cap=cap,
               sinks=sk, k_scale=ks, v_scale=ks)
+    # float32 caches: both sides at full float32 (JAX's GPU default for float32 dots, in the
+    # kernels as in XLA, is TF32; the check is of the kernel's reading, not of TF32 rounding)
+    precision = "highest" if spec.storage_dtype == np.float32 else None
     try:
-      ours = jax.jit(lambda q, c, kw=kw, spec=spec, extra=extra: fn(
-          q, c, spec, interpret=interpret, **extra, **kw))(q, poison)
+      with jax.default_matmul_precision(precision):
+        ours = jax.jit(lambda q, c, kw=kw, spec=spec, extra=extra: fn(
+            q, c, spec, interpret=interpret, **extra, **kw))(q, poison)
     except Exception as e:  # noqa: BLE001 - report and go on with the other checks
       print(f"check {kernel} {cd} {layout} D={d}: ERROR {type(e).__name__}: {str(e)[:1500]}",
             flush=True)
       results.append({"kernel": kernel, "cache_dtype": cd, "layout": layout, "D": d,
                       "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
       continue
-    ref = ref_attention(q, clean, spec, query_start_loc=jnp.arange(len(lens) + 1,
-                                                                   dtype=jnp.int32), **kw)
+    with jax.default_matmul_precision(precision):
+      ref = ref_attention(q, clean, spec, query_start_loc=jnp.arange(len(lens) + 1,
+                                                                     dtype=jnp.int32), **kw)
     o = np.asarray(ours.astype(jnp.float32))
     r = np.asarray(ref.astype(jnp.float32))
     err = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))

@@ -42,6 +42,14 @@ FORMATS = ("bfloat16", "fp8", "int8_per_token_head", "fp8_per_token_head",
 #: assembled from four byte loads).
 VARIANTS = {
     "default": {},
+    "bytes": {"pair_codes": False, "tokens_per_step": 64, "num_stages": 3},  # before pairs
+    "t64_s3": {"tokens_per_step": 64, "num_stages": 3},
+    "stages2": {"num_stages": 2},
+    "w8": {"num_warps": 8},
+    "t128_s2": {"tokens_per_step": 128, "num_stages": 2},
+    "s1": {"num_stages": 1},
+    "t128_s1": {"tokens_per_step": 128, "num_stages": 1},
+    "prefetch": {"prefetch": True},
     "bf16_ops": {"compute_dtype": "bfloat16", "fast_decode": False, "scale_words": False},
     "f16_convert": {"fast_decode": False},
     "byte_scales": {"scale_words": False},
@@ -69,7 +77,7 @@ def temp_bytes(batch, ctx, cd, layout, cfg):
 
 #: Variants whose numerics differ (operand dtype, decode path): each is checked against the
 #: reference before it is timed; the others only reorder the same arithmetic.
-CHECKED = ("default", "bf16_ops", "f16_convert", "byte_scales")
+CHECKED = ("default", "bytes", "bf16_ops", "f16_convert", "byte_scales")
 
 
 def layouts(cd):
@@ -125,8 +133,9 @@ def main():
           if time.time() - t0 > args.budget_s:
             print(f"  budget spent: skipping {cd} {layout} {name}", flush=True)
             continue
-          cfg = dataclasses.replace(default_config(1 if cd != "bfloat16" else 2),
-                                    **VARIANTS[name])
+          spec = kvjax.KVCacheSpec(num_kv_heads=8, head_size=128, block_size=16,
+                                   cache_dtype=cd, layout=layout)
+          cfg = dataclasses.replace(default_config(spec), **VARIANTS[name])
           r = dict(cache_dtype=cd, layout=layout, variant=name, batch=batch, context=ctx,
                    config=BD.cfg_name(cfg))
           try:

@@ -148,6 +148,9 @@ def triton_kernels(fn, *args) -> list[TritonKernelIR]:
 
   jax.clear_caches()          # a cached lowering would not run the hook
   tt_lowering.lower_jaxpr_to_triton_module = hook
+  # Choices the kernels make from the CUDA device they see are made for the target: sm_90.
+  from pallas_kernels.triton import pairs
+  device_capability, pairs.cuda_capability = pairs.cuda_capability, lambda: (9, 0)
   try:
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   except Exception:
@@ -156,6 +159,7 @@ def triton_kernels(fn, *args) -> list[TritonKernelIR]:
     lowered = None
   finally:
     tt_lowering.lower_jaxpr_to_triton_module = original
+    pairs.cuda_capability = device_capability
 
   from_config = []
   if lowered is not None:
@@ -252,7 +256,7 @@ def build_call(a) -> KernelCall:
   if a.kernel == "decode":
     from pallas_kernels.triton.decode import paged_decode_attention
     from pallas_kernels.triton.decode_config import choose_num_splits, default_config
-    config = _replace_config(default_config(spec.itemsize), overrides)
+    config = _replace_config(default_config(spec), overrides)
     splits = choose_num_splits(config, a.num_seqs, a.hkv, max_blocks, a.block_size)
     q = jax.ShapeDtypeStruct((a.num_seqs, a.hq, a.head_size), q_dtype)
     fn = lambda q, c, sl, bt: paged_decode_attention(

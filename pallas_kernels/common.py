@@ -55,12 +55,19 @@ def f32_from_bytes(load_byte):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def float32_words(table):
-  """A 2-D table of one-byte elements ``[R, E]`` (E a multiple of 4) viewed as float32 words
-  ``[R, E / 4]``: an XLA bitcast of the same bytes (no copy, measured on the H200), for
-  kernels that read 4-byte scales stored among byte data with one load."""
+def words_view(table, dtype):
+  """A 2-D table of one-byte elements ``[R, E]`` viewed as ``dtype`` words ``[R, E / k]``
+  (k = its item size; E a multiple of k): an XLA bitcast of the same bytes (no copy,
+  measured on the H200), for kernels that read 2- or 4-byte units stored among byte data
+  with one load (float32 scales; uint16 pairs of codes)."""
   r, e = table.shape
-  return jax.lax.bitcast_convert_type(table.reshape(r, e // 4, 4), jnp.float32)
+  k = np.dtype(dtype).itemsize
+  return jax.lax.bitcast_convert_type(table.reshape(r, e // k, k), dtype)
+
+
+def float32_words(table):
+  """:func:`words_view` as float32 words."""
+  return words_view(table, jnp.float32)
 
 
 #: The 16-bit float dtypes the kernels take as dot operands.

@@ -53,6 +53,15 @@ def test_decode_kernel_lowers_for_cuda(cache_dtype, layout, head_size):
   assert "xla.gpu.triton" in _lowered_text(f, q, cache, sl, bt)
 
 
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2", "int8_per_token_head",
+                                         "fp8_per_token_head"])
+def test_decode_pair_conversions_lower_for_cuda(cache_dtype, monkeypatch):
+  """The PTX pair conversions (pallas_kernels.triton.pairs) the kernel uses on an sm_90 GPU."""
+  from pallas_kernels.triton import pairs
+  monkeypatch.setattr(pairs, "cuda_capability", lambda: (9, 0))
+  test_decode_kernel_lowers_for_cuda(cache_dtype, "HND", 128)
+
+
 @pytest.mark.parametrize("cache_dtype,layout,head_size", CASES)
 def test_ragged_kernel_lowers_for_cuda(cache_dtype, layout, head_size):
   spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)

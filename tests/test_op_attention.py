@@ -61,6 +61,7 @@ CASES = [
          max_query_len=1),
     Case("fp8", "NHD", scales=(0.5, 2.0), batch=DECODE, max_query_len=1, window=25),
     Case("int8_per_token_head", "NHD", head_size=80, window=20, soft_cap=5.0),
+    Case("int8_per_token_head", "HND", batch=DECODE, max_query_len=1, window=40),
     Case("int4_per_token_head", "HND", batch=DECODE, max_query_len=1, sinks=True, soft_cap=5.0),
     Case("nvfp4", "HND", group=2, scales=(0.5, 2.0), sinks=True),
     Case(TOY.name, "NHD", scales=(0.5, 2.0)),
@@ -72,6 +73,8 @@ CASES = [
     pytest.param(Case("float16", "HND", q_dtype=jnp.float16, group=2, head_size=128,
                       max_query_len=64), marks=SLOW),
     pytest.param(Case("fp8_e5m2", "HND", scales=((0.5, 0.25), (2.0, 1.0))), marks=SLOW),
+    pytest.param(Case("fp8_e5m2", "NHD", scales=((0.5, 0.25), (2.0, 1.0)), batch=DECODE,
+                      max_query_len=1), marks=SLOW),
     pytest.param(Case("fp8_per_token_head", "HND", group=7, batch=DECODE, max_query_len=1,
                       sinks=True), marks=SLOW),
     pytest.param(Case("int4_per_token_head", "NHD", group=5, head_size=128, block_size=32,
@@ -87,7 +90,7 @@ def _case_id(c):
   return c.id
 
 
-TOY_BACKEND_CASES = {CASES[i].id for i in (0, 6, 7)}      # plain, nvfp4, the toy format
+TOY_BACKEND_CASES = {CASES[i].id for i in (0, 7, 8)}      # plain, nvfp4, the toy format
 
 
 def _tolerance(q_dtype, spec):

@@ -128,6 +128,21 @@ def test_configs_agree(rng, config):
   _run(rng, "bfloat16", "NHD", lens=(1, 100, 0), window=60, config=config)
 
 
+@pytest.mark.parametrize("cache_dtype,layout,d,pairs", [
+    ("fp8", "NHD", 64, True),
+    ("int8_per_token_head", "HND", 80, True),
+    pytest.param("fp8_e5m2", "HND", 64, True, marks=pytest.mark.slow),
+    pytest.param("fp8_per_token_head", "NHD", 32, True, marks=pytest.mark.slow),
+    pytest.param("fp8", "HND", 64, False, marks=pytest.mark.slow)])
+def test_one_byte_codes_as_pairs_or_bytes(rng, cache_dtype, layout, d, pairs):
+  """pair_codes (uint16 words split into even / odd head dims) and byte tiles, vs the
+  reference; with tensor scales where the format has them."""
+  per_tensor = kvjax.KVCacheSpec(2, d, 16, cache_dtype).format.has_tensor_scales
+  ks, vs = (0.5, 2.0) if per_tensor else (None, None)
+  _run(rng, cache_dtype, layout, h=2, g=4, d=d, lens=(1, 40, 0, 17), k_scale=ks, v_scale=vs,
+       config=DecodeConfig(pair_codes=pairs, num_splits=2))
+
+
 def test_bad_arguments_are_caught_before_the_kernel():
   """kvjax.unified_attention validates once; the kernel trusts what it gets."""
   spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16)

@@ -19,10 +19,11 @@ import numpy as np
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from kvjax import quant
-from pallas_kernels.common import float32_words, merge_splits, static_or_none
+from pallas_kernels.common import merge_splits, static_or_none, words_view
 from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits, default_config
 from pallas_kernels.triton.decode_kernel import decode_call
 from pallas_kernels.triton.formats import TileFormat
+from pallas_kernels.triton.pairs import pairs_in_ptx
 
 
 def _kernel_scales(tf: TileFormat, k_scale, v_scale, scale=None):
@@ -58,13 +59,15 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
     ``[S, Hq, D]`` in q's dtype. Metadata outside the contract follows
     :mod:`kvjax.ragged_batch` (seq_lens clipped to the capacity, block ids to [0, B)).
   """
-  config = default_config(spec.itemsize) if config is None else config
+  config = default_config(spec) if config is None else config
   s, hq, d = q.shape
   h = spec.num_kv_heads
   g = hq // h
   tf = TileFormat.of(spec, q.dtype)
   tf = dataclasses.replace(tf, fast_decode=config.fast_decode, compute_dtype=np.dtype(
       config.compute_dtype or tf.compute_dtype))
+  if config.pair_codes:
+    tf = tf.paired(ptx=not interpret and pairs_in_ptx(spec.codec.quant))
   num_blocks = cache.shape[0]
   splits = choose_num_splits(config, s, h, jnp.shape(block_table)[1], spec.block_size)
   sink_hg = (jnp.zeros((h, g), jnp.float32) if sinks is None
@@ -79,7 +82,7 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
       q.reshape(s, h, g, d), seq_of_row, jnp.asarray(seq_lens, jnp.int32),
       jnp.asarray(block_table, jnp.int32),
       _kernel_scales(tf, k_scale, v_scale, None if static_scale is not None else scale),
-      sink_hg, pages, float32_words(pages) if config.scale_words and tf.scale_words else None,
+      sink_hg, pages, tuple(words_view(pages, dt) for dt in tf.view_dtypes(config.scale_words)),
       tf=tf, config=config,
       num_splits=splits,
       scale=static_scale, window=None if sliding_window is None else int(sliding_window),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from pallas_kernels.triton.formats import TileFormat
+
 #: Streaming multiprocessors of the H200 (and H100 SXM); used only to size the grid.
 NUM_SMS = 132
 
@@ -35,6 +37,9 @@ class DecodeConfig:
       view is a bitcast: no copy, measured on the H200).
     compute_dtype: dot operand dtype by name ("float16", "bfloat16", "float32"); None = the
       one rule of :func:`pallas_kernels.common.compute_dtype`.
+    pair_codes: formats of one-byte codes (fp8 per tensor, int8 / fp8 per token-head) read
+      as uint16 words of two codes, split into even / odd head-dim operands in registers
+      (:mod:`pallas_kernels.triton.pairs`); False reads bytes.
   """
   tokens_per_step: int = 64
   num_splits: Optional[int] = None
@@ -46,6 +51,7 @@ class DecodeConfig:
   fast_decode: bool = True
   scale_words: bool = True
   compute_dtype: Optional[str] = None
+  pair_codes: bool = True
 
   def __post_init__(self):
     t = self.tokens_per_step
@@ -64,21 +70,25 @@ class DecodeConfig:
 DEFAULT_CONFIG = DecodeConfig()
 
 
-def default_config(cache_itemsize: int) -> DecodeConfig:
-  """Measured defaults (H200, Hq=32, H=8, D=128, block 16; benchmarks/sweep_decode.py, results
-  in benchmarks/RESULTS.md).
+def default_config(spec) -> DecodeConfig:
+  """Measured defaults for ``spec``'s format (H200, Hq=32, H=8, D=128, block 16;
+  benchmarks/sweep_decode.py, results in benchmarks/RESULTS.md).
 
   Two-byte caches: one pass from 3 x 132 programs on (no merge; measured 3.93-3.96 TB/s at
-  64 x 4096 vs 3.71-3.83 with 3 splits). One-byte caches are instruction-bound rather than
-  byte-bound (benchmarks/results/decode_sass.md): they pipeline deeper and keep splitting
+  64 x 4096 vs 3.71-3.83 with 3 splits). One-byte caches pipeline deeper and keep splitting
   until 8 x 132 programs (64 x 4096: one pass 289-298 us vs 240-251 with 3 splits for fp8,
-  396-470 vs 336-391 for the per-token-head formats); 128 or 32 tokens a step, 2 or 8 warps
-  and 4 stages measured slower or within noise.
+  396-470 vs 336-391 for the per-token-head formats, before pair codes); then the format's
+  own measured overrides (:attr:`~pallas_kernels.triton.formats.TileFormat.decode_defaults`:
+  fp8 per tensor read as pairs takes 128 tokens a step in 2 stages).
   """
-  if cache_itemsize == 1:
-    return dataclasses.replace(DEFAULT_CONFIG, num_stages=3,
+  if spec.itemsize != 1:
+    return DEFAULT_CONFIG
+  config = dataclasses.replace(DEFAULT_CONFIG, num_stages=3,
                                single_pass_programs=DEFAULT_CONFIG.target_programs)
-  return DEFAULT_CONFIG
+  hooks = TileFormat.of(spec)
+  if config.pair_codes:
+    hooks = hooks.paired(ptx=False)
+  return dataclasses.replace(config, **hooks.decode_defaults)
 
 
 def choose_num_splits(config: DecodeConfig, num_seqs: int, num_kv_heads: int,

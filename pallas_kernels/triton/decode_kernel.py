@@ -31,10 +31,11 @@ from pallas_kernels.triton.formats import TileFormat
 NEG = -1e30
 
 
-def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, words_ref,
-                   *out_refs, tf: TileFormat, step_tokens: int, num_splits: int,
+def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *refs,
+                   tf: TileFormat, num_views: int, step_tokens: int, num_splits: int,
                    num_blocks: int, max_blocks: int, group_pad: int, scale, window, soft_cap,
-                   has_sinks: bool, prefetch: bool, use_words: bool):
+                   has_sinks: bool, prefetch: bool):
+  views, out_refs = refs[:num_views], refs[num_views:]
   s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_step, n = step_tokens, tf.block_size
   gp, w = group_pad, tf.part_width
@@ -83,7 +84,7 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
     blk = pltriton.load(bt_ref.at[(seq_c, bidx)])
     blk = RB.clamp_blocks(blk, num_blocks)                  # kvjax.ragged_batch rule 4
     return tf.load_kv(cache_ref, blk, lax.rem(tok, n), h, valid,
-                      words_ref if use_words else None)
+                      views)
 
   def update(i, tiles, m, l, accs):
     _, valid = visible(i)
@@ -141,7 +142,7 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
 
 @functools.partial(jax.jit, static_argnames=("tf", "config", "num_splits", "scale", "window",
                                              "soft_cap", "has_sinks", "interpret"))
-def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, pages, words=None,
+def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, pages, views=(),
                 *,
                 tf: TileFormat, config: DecodeConfig, num_splits: int, scale, window, soft_cap,
                 has_sinks: bool, interpret: bool):
@@ -155,8 +156,9 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
       with the softmax scale in row 2 when ``scale`` is None (traced).
     sinks: float32 ``[H, G]`` sink logits (read only when ``has_sinks``).
     pages: the cache as ``[B, page_elems]`` (a free reshape of the physical array).
-    words: None, or the same pages as float32 words ``[B, page_elems / 4]`` (the format
-      reads its row scales from them: :attr:`TileFormat.scale_words`).
+    views: the same pages viewed as each of the format's :meth:`TileFormat.view_dtypes`
+      (float32 words ``[B, page_elems / 4]`` for row scales, uint16 pairs ``[B, page_elems
+      / 2]`` for :class:`~pallas_kernels.triton.formats.PairFormat`).
   Returns:
     ``num_splits == 1``: the normalized output ``[S, H, Gp, parts * W]`` in q's dtype
     (rows past G and columns past the head size are padding).
@@ -171,7 +173,7 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
       _decode_kernel, tf=tf, step_tokens=config.step_tokens(tf.block_size),
       num_splits=num_splits, num_blocks=pages.shape[0], max_blocks=block_table.shape[1],
       group_pad=gp, scale=scale, window=window, soft_cap=soft_cap, has_sinks=has_sinks,
-      prefetch=config.prefetch, use_words=words is not None)
+      prefetch=config.prefetch, num_views=len(views))
   whole = pl.BlockSpec(memory_space=pl.ANY)
   f32 = jnp.float32
   if num_splits == 1:
@@ -189,12 +191,11 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
   return pl.pallas_call(
       kernel,
       grid=(num_seqs, num_heads, num_splits),
-      in_specs=[whole] * 8,
+      in_specs=[whole] * (7 + len(views)),
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="kvjax_paged_decode",
-  )(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, pages,
-    jnp.zeros((1, 1), f32) if words is None else words)
+  )(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, pages, *views)

@@ -13,7 +13,8 @@ array; the ragged kernel's row formats as rows ``[B*N*H, C]``). Row addresses co
 
 A hook object is static (frozen, hashable). Its in-kernel methods:
 
-- ``load_kv(pages_ref, blk, tok, head, valid)`` -> the raw K/V tiles of ``T`` keys;
+- ``load_kv(pages_ref, blk, tok, head, valid, views)`` -> the raw K/V tiles of ``T`` keys
+  (``views``: the pages viewed as each of :meth:`TileFormat.view_dtypes`);
 - ``scores(q_parts, qsum, tiles, k_scale)`` -> float32 ``[Gp, T]`` of ``q . k``;
 - ``values(p, tiles, v_scale)`` -> float32 accumulator parts of ``p @ v``;
 - ``dequant(tiles, k_scale, v_scale)`` -> float32 (K parts, V parts) ``[T, part_width]``;
@@ -37,6 +38,7 @@ from kvjax.codecs import Codec, RowAddress
 from kvjax.codecs.nvfp4 import SideLayout
 from pallas_kernels.common import (as_operand, compute_dtype, f32_from_bytes, f32_to_bytes,
                                     next_pow2, pack_words)
+from pallas_kernels.triton import pairs
 from pallas_kernels.triton.ieee import Divider
 
 _I32 = jnp.int32
@@ -147,6 +149,23 @@ class TileFormat:
     """Whether :meth:`load_kv` can read scales from a float32 view of the pages."""
     return False
 
+  def view_dtypes(self, scale_words: bool = True) -> tuple:
+    """dtypes of the views of the pages :meth:`load_kv` reads (its ``views``): float32 words
+    for row scales (:attr:`scale_words`, when ``scale_words`` allows it)."""
+    return (np.dtype(np.float32),) if scale_words and self.scale_words else ()
+
+  @property
+  def decode_defaults(self) -> dict:
+    """:class:`~pallas_kernels.triton.decode_config.DecodeConfig` fields this format's decode
+    sets over the defaults of its item size (measured, benchmarks/RESULTS.md)."""
+    return {}
+
+  def paired(self, ptx: bool) -> "TileFormat":
+    """These hooks reading one-byte codes as uint16 pairs (:class:`PairFormat`) where the
+    format has a pair conversion, else ``self``. ``ptx``: convert with PTX
+    (:mod:`pallas_kernels.triton.pairs`)."""
+    return self
+
   @property
   def fast_f16(self) -> bool:
     """Whether float16 operands are built from bits (:attr:`fast_decode` and f16 dots)."""
@@ -233,9 +252,9 @@ class RowFormat(TileFormat):
       return self.q_operand(x)
     return x.astype(self.compute_dtype)
 
-  def load_kv(self, pages_ref, blk, tok, head, valid, words_ref=None):
-    """``words_ref``: the same pages as float32 words ``[B, page_elems / 4]`` (row scales
-    of one-byte formats sit at multiples of 4 bytes: one load each instead of four)."""
+  def load_kv(self, pages_ref, blk, tok, head, valid, views=()):
+    """``views``: (the same pages as float32 words ``[B, page_elems / 4]``,) or () (row
+    scales of one-byte formats sit at multiples of 4 bytes: one load each instead of four)."""
     cols, cmask = self._cols()
     mask = valid[:, None] & cmask[None, :]
     base = self.addr.offset(tok, head)
@@ -244,29 +263,47 @@ class RowFormat(TileFormat):
     if not self.row_scaled:
       return (k, v)
     offs = (base + self.data_dim, base + self.v_offset + self.data_dim)
+    return (k, v, *self._row_scales(pages_ref, views[-1] if views else None, blk, offs, valid))
+
+  def _row_scales(self, pages_ref, words_ref, blk, offs, valid):
+    """The float32 row scales at byte offsets ``offs`` (K's, V's) of each key: one load each
+    from the float32 words ``words_ref``, else four byte loads."""
     if words_ref is not None:
-      ks, vs = (pltriton.load(words_ref.at[(blk, lax.div(o, 4))], mask=valid, other=0.0)
-                for o in offs)
-    else:
-      ks, vs = (self.gather_f32(pages_ref, blk, o, valid) for o in offs)
-    return (k, v, ks, vs)
+      return tuple(pltriton.load(words_ref.at[(blk, lax.div(o, 4))], mask=valid, other=0.0)
+                   for o in offs)
+    return tuple(self.gather_f32(pages_ref, blk, o, valid) for o in offs)
 
   @property
   def scale_words(self) -> bool:
     """Whether the row scales can be read as float32 words of the pages (one-byte storage)."""
     return self.row_scaled and self.storage.itemsize == 1
 
+  def paired(self, ptx: bool) -> TileFormat:
+    if (self.storage.itemsize != 1 or self.head_size % 2 or
+        not pairs.has_pairs(self.codec.quant)):
+      return self
+    return PairFormat(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                      ptx=ptx)
+
+  def _qk(self, q_parts, k):
+    """float32 ``[Gp, T]`` dot of the q parts with a K data tile (before its scales)."""
+    return self.dot(q_parts[0], self.to_compute(k), trans_b=True)
+
+  def _pv(self, p, v):
+    """float32 accumulator parts of ``p @ v`` for a V data tile (before its scales)."""
+    return (self.dot(p, self.to_compute(v)),)
+
   def scores(self, q_parts, qsum, tiles, k_scale):
-    s = self.dot(q_parts[0], self.to_compute(tiles[0]), trans_b=True)
+    s = self._qk(q_parts, tiles[0])
     if self.row_scaled:
       return s * tiles[2][None, :]
     return s * k_scale if self.tensor_scaled else s
 
   def values(self, p, tiles, v_scale):
     if self.row_scaled:
-      return (self.dot(p * tiles[3][None, :], self.to_compute(tiles[1])),)
-    o = self.dot(p, self.to_compute(tiles[1]))
-    return (o * v_scale if self.tensor_scaled else o,)
+      return self._pv(p * tiles[3][None, :], tiles[1])
+    parts = self._pv(p, tiles[1])
+    return tuple(o * v_scale for o in parts) if self.tensor_scaled else parts
 
   def dequant(self, tiles, k_scale, v_scale):
     out = []
@@ -330,6 +367,64 @@ class RowFormat(TileFormat):
       base = self.write_offset(side * self.v_offset)
       for off, col, cmask, val in self.encode_side(p, div, io, side, head):
         io.store_rows(row, base + off + col, val.astype(dtype), valid, cmask)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairFormat(RowFormat):
+  """A row format of one-byte codes (fp8 per tensor, int8 / fp8 per token-head) read as
+  uint16 words of two codes through a uint16 view of the pages, its dots split over even and
+  odd head dims (:mod:`pallas_kernels.triton.pairs` says why). Same values as
+  :class:`RowFormat`; the decode kernel's hooks (``DecodeConfig.pair_codes``).
+
+  ptx: convert the pairs with PTX (compiled for CUDA), else with the element formulas.
+  """
+  split: ClassVar[bool] = True
+  row_table: ClassVar[bool] = False
+  ptx: bool = False
+
+  @property
+  def part_width(self) -> int:
+    """Half the padded head dim: the words of a row (>= 16, the smallest dot)."""
+    return max(16, self.data_pad // 2)
+
+  @property
+  def decode_defaults(self) -> dict:
+    """Without row scales (fp8 per tensor) 128 keys a step in 2 stages: 96 -> 140 registers
+    a thread, 3 blocks an SM with 32 KiB of keys each (H200, 64 x 4096 and 256 x 1024: 0-11 %
+    faster than 64 keys; the row-scaled formats 15-30 % slower with 128)."""
+    return {} if self.row_scaled else {"tokens_per_step": 128, "num_stages": 2}
+
+  def view_dtypes(self, scale_words: bool = True) -> tuple:
+    """uint16 pairs, then the float32 words of the row scales where :class:`RowFormat` reads
+    them."""
+    return (np.dtype(np.uint16), *super().view_dtypes(scale_words))
+
+  def paired(self, ptx: bool) -> TileFormat:
+    return dataclasses.replace(self, ptx=ptx)
+
+  def load_kv(self, pages_ref, blk, tok, head, valid, views=()):
+    """``views``: (the pages as uint16 words ``[B, page_elems / 2]``, [float32 words]) as
+    :meth:`view_dtypes` lists them."""
+    pairs_ref = views[0]
+    cols = jnp.arange(self.part_width, dtype=_I32)
+    mask = valid[:, None] & (cols < self.head_size // 2)[None, :]
+    base = self.addr.offset(tok, head)                                # in bytes
+    half = lax.div(base, 2)                                           # in words
+    k = self.gather(pairs_ref, blk, half[:, None] + cols[None, :], mask)
+    v = self.gather(pairs_ref, blk, half[:, None] + (cols + self.v_offset // 2)[None, :], mask)
+    if not self.row_scaled:
+      return (k, v)
+    offs = (base + self.data_dim, base + self.v_offset + self.data_dim)
+    words_ref = views[1] if len(views) > 1 else None
+    return (k, v, *self._row_scales(pages_ref, words_ref, blk, offs, valid))
+
+  def _qk(self, q_parts, k):
+    even, odd = pairs.pair_to_f16(k, self.codec.quant, self.ptx)
+    return (self.dot(q_parts[0], even, trans_b=True) +
+            self.dot(q_parts[1], odd, trans_b=True))
+
+  def _pv(self, p, v):
+    return tuple(self.dot(p, x) for x in pairs.pair_to_f16(v, self.codec.quant, self.ptx))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,8 +528,8 @@ class Nvfp4Format(TileFormat):
     covers 8 data bytes, so ``8 * scale_pad == data_pad``)."""
     return self.data_pad // 8
 
-  def load_kv(self, pages_ref, blk, tok, head, valid, words_ref=None):
-    del words_ref
+  def load_kv(self, pages_ref, blk, tok, head, valid, views=()):
+    del views
     lay = self.side
     cols, cmask = self._cols()
     mask = valid[:, None] & cmask[None, :]

@@ -255,7 +255,8 @@ class _PageTiles:
 
   def load_kv(self, blk, off, in_seq):
     valid = jnp.ones((self.st.block_kv,), jnp.bool_) if in_seq is None else in_seq
-    return self.fmt.load_kv(self.pages_ref, blk, off, self.h, valid, self.words_ref)
+    views = () if self.words_ref is None else (self.words_ref,)
+    return self.fmt.load_kv(self.pages_ref, blk, off, self.h, valid, views)
 
   def scores(self, state, tiles, qk_scale, in_seq):
     q_parts, qsum, k_scale, _ = state
