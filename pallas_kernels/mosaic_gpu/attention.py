@@ -14,8 +14,8 @@ from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attenti
 
 #: Whether ``auto`` takes the decode kernel for the decode batches it can run (else the Triton
 #: decode kernel runs them). Measured on the H200 at the five decode shapes (benchmarks/
-#: RESULTS.md, 2026-12-02 afternoon, "Decode"): 0.88-1.05x the Triton decode kernel's speed
-#: on bf16, level with it on fp8: no consistent win.
+#: RESULTS.md, "Decode"): 0.88-1.05x the Triton decode kernel's speed on bf16, 0.63-0.83x on
+#: fp8 since the Triton kernel reads one-byte codes as pairs: no win.
 AUTO_DECODE = False
 
 

@@ -35,8 +35,9 @@ def decode_reason(spec: KVCacheSpec, q_dtype, group: Optional[int] = None) -> Op
   why = cls.reason(spec, q_dtype)
   if why is not None:
     return why
-  if spec.head_size % 64 or not 64 <= spec.head_size <= 256:
-    return f"head_size={spec.head_size}: the decode kernel takes 64, 128, 192 or 256"
+  why = DG.head_size_reason(spec.head_size)
+  if why is not None:
+    return why
   if group is not None:
     return DG.group_reason(group, spec.num_kv_heads)
   return None

@@ -5,14 +5,13 @@ import): the registry's checks run it on any machine.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import numpy as np
 
 from pallas_kernels.common import cdiv
 from pallas_kernels.mosaic_gpu.formats import Operands
-from pallas_kernels.mosaic_gpu.tiles import SMEM_BUDGET
+from pallas_kernels.mosaic_gpu.tiles import SMEM_BUDGET, copy_piece
 
 ALIGN_ROWS = 8             # rows of a tile of the shared-memory layout wgmma reads
 #: Shared memory Mosaic GPU adds to a kernel's buffers (barriers, the cross-warp reduction
@@ -38,9 +37,9 @@ class DecodeGeometry:
   stages: int = 3
 
   def __post_init__(self):
-    if self.head_size % 64 or not 64 <= self.head_size <= 256:
-      raise ValueError(f"head_size={self.head_size}: the decode kernel takes 64, 128, 192 or "
-                       "256 (the wgmma M of V^T P^T)")
+    why = head_size_reason(self.head_size)
+    if why is not None:
+      raise ValueError(why)
     if self.block_kv != 64:
       raise ValueError(f"block_kv={self.block_kv} must be 64 (the wgmma M of S^T)")
     if self.stages < 2:
@@ -51,8 +50,8 @@ class DecodeGeometry:
 
   @property
   def piece(self) -> int:
-    """Tokens per TMA copy: a page, or the part of a page one step holds."""
-    return math.gcd(self.block_size, self.block_kv)
+    """Tokens per TMA copy (:func:`.tiles.copy_piece`)."""
+    return copy_piece(self.block_size, self.block_kv)
 
   @property
   def pieces_per_step(self) -> int:
@@ -72,6 +71,14 @@ class DecodeGeometry:
     p = t * self.cols * compute
     out = (d + 2) * self.cols * 4
     return land + v + q + p + out + MOSAIC_RESERVED
+
+
+def head_size_reason(head_size: int) -> Optional[str]:
+  """None when the kernel takes head size D (the wgmma M of ``V^T P^T``: a multiple of 64 up
+  to 256), else why not."""
+  if head_size % 64 or not 64 <= head_size <= 256:
+    return f"head_size={head_size}: the decode kernel takes 64, 128, 192 or 256"
+  return None
 
 
 def group_reason(group: int, num_kv_heads: int, cols: int = 16) -> Optional[str]:

@@ -58,6 +58,12 @@ META_TOK0, META_NQ, META_POS0, META_KV_LEN, META_BT_ROW = range(5)
 META_ROWS = 5
 
 
+def copy_piece(block_size: int, block_kv: int) -> int:
+  """Tokens per K/V copy of a step of ``block_kv`` keys over pages of ``block_size``: a page,
+  or the part of a page one step holds (a piece never straddles a page)."""
+  return math.gcd(block_size, block_kv)
+
+
 @dataclasses.dataclass(frozen=True)
 class Slab:
   """One TMA box of q / out: head ``g`` of the group, tokens ``[tok, tok + n)`` of the tile,
@@ -106,7 +112,7 @@ class TileGeometry:
   def piece(self) -> int:
     """Tokens per K/V copy: a page, or the part of a page that one step holds (pieces never
     straddle a page since the piece divides the block size)."""
-    return math.gcd(self.block_size, self.block_kv)
+    return copy_piece(self.block_size, self.block_kv)
 
   @property
   def pieces_per_step(self) -> int:
