@@ -189,9 +189,12 @@ def int4_unpack_scale(stored):
 
 
 def nibbles(packed):
-  """uint8 ``[...]`` -> (low nibbles, high nibbles), uint8 in [0, 15]: two 4-bit codes a
-  byte, the low nibble holding the even element."""
-  return packed & jnp.uint8(0xF), packed >> jnp.uint8(4)
+  """uint8 (or uint16) ``[...]`` -> its 4-bit codes from the low bits up, uint8 in [0, 15]:
+  (low, high) of a byte, the low nibble holding the even element; four of a uint16 word
+  (little-endian: its low byte first)."""
+  t = packed.dtype.type
+  return tuple(((packed >> t(s)) & t(0xF)).astype(jnp.uint8)
+               for s in range(0, 8 * packed.dtype.itemsize, 4))
 
 
 def interleave(even, odd):

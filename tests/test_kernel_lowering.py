@@ -54,9 +54,9 @@ def test_decode_kernel_lowers_for_cuda(cache_dtype, layout, head_size):
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2", "int8_per_token_head",
-                                         "fp8_per_token_head"])
+                                         "fp8_per_token_head", "int4_per_token_head", "nvfp4"])
 def test_decode_pair_conversions_lower_for_cuda(cache_dtype, monkeypatch):
-  """The PTX pair conversions (pallas_kernels.triton.pairs) the kernel uses on an sm_90 GPU."""
+  """The PTX word conversions (pallas_kernels.triton.pairs) the kernel uses on an sm_90 GPU."""
   from pallas_kernels.triton import pairs
   monkeypatch.setattr(pairs, "cuda_capability", lambda: (9, 0))
   test_decode_kernel_lowers_for_cuda(cache_dtype, "HND", 128)

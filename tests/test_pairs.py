@@ -1,5 +1,6 @@
-"""Pairs of one-byte codes as float16 (pallas_kernels.triton.pairs), outside any kernel: every
-uint16 word against numpy's own decoding of its two bytes."""
+"""Words of codes as float16 (pallas_kernels.triton.pairs), outside any kernel: every uint16
+word against numpy's own decoding of its two bytes or four nibbles, and the PTX snippets the
+compiled kernel uses, run by a small interpreter of their instructions, against the same."""
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -23,9 +24,25 @@ def test_every_word_splits_into_its_even_and_odd_values(code):
     assert same.all(), f"{np.count_nonzero(~same)} of 65536 words differ"
 
 
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+@pytest.mark.parametrize("code", ["int4", "e2m1"])
+def test_every_word_splits_into_its_four_nibbles(code):
+  parts = pairs.nibble_words_to_f16(jnp.asarray(WORDS), code, ptx=False)
+  for j, (got, f) in enumerate(zip(parts, pairs.NIBBLE_FACTORS[code])):
+    assert got.dtype == jnp.float16
+    nib = (WORDS >> (4 * j)) & 0xF
+    want = (nib.astype(np.float32) if code == "int4" else E2M1[nib]) * f
+    got = np.asarray(got, np.float32)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
 def test_which_codes_have_pairs_and_where_ptx_runs(monkeypatch):
   assert pairs.has_pairs(jnp.float8_e4m3fn) and pairs.has_pairs(jnp.int8)
-  assert not pairs.has_pairs("int4") and not pairs.has_pairs("e2m1")
+  assert pairs.codes_per_word("int4") == pairs.codes_per_word("e2m1") == 4
+  assert pairs.codes_per_word(jnp.int8) == 2
   assert not pairs.has_pairs(jnp.bfloat16)
   monkeypatch.setattr(pairs, "cuda_capability", lambda: (8, 0))      # A100: no fp8 cvt
   assert not pairs.pairs_in_ptx(jnp.float8_e4m3fn) and pairs.pairs_in_ptx(jnp.int8)
@@ -33,3 +50,58 @@ def test_which_codes_have_pairs_and_where_ptx_runs(monkeypatch):
   assert pairs.pairs_in_ptx(jnp.float8_e5m2)
   monkeypatch.setattr(pairs, "cuda_capability", lambda: None)        # CPU, ROCm
   assert not pairs.pairs_in_ptx(jnp.int8)
+
+
+# -- the PTX itself, run by a small interpreter of the instructions it uses -------------------
+def _f16x2(op, a, b):
+  """Lane-wise float16 ``op`` of two uint32 arrays holding float16x2 (round to nearest)."""
+  a, b = (np.ascontiguousarray(v, "<u4") for v in np.broadcast_arrays(a, b))
+  x, y = (v.view("<f2").astype(np.float32) for v in (a, b))
+  return op(x, y).astype(np.float16).view("<u4")
+
+
+def _prmt(a, b, sel):
+  """PTX prmt.b32 (default mode): byte i of the result is byte sel[i] of {b:a}."""
+  a, b = np.broadcast_arrays(a, b)
+  src = np.stack([(a >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)] +
+                 [(b >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)])
+  return sum(src[(sel >> (4 * i)) & 7] << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
+
+
+def _run(ptx, reg):
+  """Run one asm snippet of pairs.py on uint32 ``reg`` ($1) -> $0 (int and f16x2 ops only)."""
+  env = {"$1": reg.astype(np.uint32)}
+  val = lambda t: env[t] if t in env else np.uint32(int(t, 0))
+  for stmt in filter(None, (x.strip(" {}") for x in ptx.split(";"))):
+    op, _, args = stmt.partition(" ")
+    if op == ".reg":
+      continue
+    d, *src = [t.strip() for t in args.split(",")]
+    a = [val(t) for t in src]
+    env[d] = {"mov.b32": lambda: a[0] + np.uint32(0), "shl.b32": lambda: a[0] << a[1],
+              "shr.b32": lambda: a[0] >> a[1], "and.b32": lambda: a[0] & a[1],
+              "xor.b32": lambda: a[0] ^ a[1],
+              "lop3.b32": lambda: (a[0] & a[1]) | a[2] if src[3] == "0xEA" else None,
+              "prmt.b32": lambda: _prmt(a[0], a[1], int(src[2], 0)),
+              "sub.rn.f16x2": lambda: _f16x2(np.subtract, a[0], a[1]),
+              "mul.rn.f16x2": lambda: _f16x2(np.multiply, a[0], a[1])}[op]()
+  return env["$0"]
+
+
+@pytest.mark.parametrize("code", ["int4", "e2m1", "int8"])
+def test_ptx_splits_both_words_of_a_register(code):
+  """Every word in the low and in the high half of a register (the other half random): the
+  PTX's float16x2 lanes equal the element formulas of each word."""
+  other = np.random.default_rng(0).integers(0, 1 << 16, WORDS.size, dtype=np.uint32)
+  if code == "int8":
+    snippets, want = [pairs._ptx(jnp.int8, h) for h in ("even", "odd")], pairs.pair_to_f16(
+        jnp.asarray(WORDS), jnp.int8, ptx=False)
+  else:
+    snippets = [pairs._nibble_ptx(code, j) for j in range(4)]
+    want = pairs.nibble_words_to_f16(jnp.asarray(WORDS), code, ptx=False)
+  for shift in (0, 16):
+    reg = (WORDS.astype(np.uint32) << shift) | (other << (16 - shift))
+    for ptx, w in zip(snippets, want):
+      lane = (_run(ptx, reg) >> shift) & 0xFFFF
+      np.testing.assert_array_equal(lane.astype(np.uint16),
+                                    np.asarray(w, np.float16).view(np.uint16))

@@ -133,14 +133,37 @@ def test_configs_agree(rng, config):
     ("int8_per_token_head", "HND", 80, True),
     pytest.param("fp8_e5m2", "HND", 64, True, marks=pytest.mark.slow),
     pytest.param("fp8_per_token_head", "NHD", 32, True, marks=pytest.mark.slow),
-    pytest.param("fp8", "HND", 64, False, marks=pytest.mark.slow)])
-def test_one_byte_codes_as_pairs_or_bytes(rng, cache_dtype, layout, d, pairs):
-  """pair_codes (uint16 words split into even / odd head dims) and byte tiles, vs the
-  reference; with tensor scales where the format has them."""
-  per_tensor = kvjax.KVCacheSpec(2, d, 16, cache_dtype).format.has_tensor_scales
+    pytest.param("fp8", "HND", 64, False, marks=pytest.mark.slow),
+    ("int4_per_token_head", "NHD", 64, True),
+    pytest.param("int4_per_token_head", "HND", 32, True, marks=pytest.mark.slow),
+    pytest.param("int4_per_token_head", "HND", 64, False, marks=pytest.mark.slow),
+    ("nvfp4", "HND", 64, True),
+    pytest.param("nvfp4", "HND", 32, True, marks=pytest.mark.slow)])   # too narrow: bytes
+def test_codes_as_words_or_bytes(rng, cache_dtype, layout, d, pairs):
+  """pair_codes (uint16 words of two one-byte codes or four int4 / e2m1 codes, split into two
+  or four head-dim parts) and byte tiles, vs the reference; with tensor scales where the
+  format has them."""
+  per_tensor = kvjax.KVCacheSpec(2, d, 16, cache_dtype, layout=layout).format.has_tensor_scales
   ks, vs = (0.5, 2.0) if per_tensor else (None, None)
   _run(rng, cache_dtype, layout, h=2, g=4, d=d, lens=(1, 40, 0, 17), k_scale=ks, v_scale=vs,
        config=DecodeConfig(pair_codes=pairs, num_splits=2))
+
+
+@pytest.mark.parametrize("cache_dtype,layout,d,hooks", [
+    ("fp8", "NHD", 128, "PairFormat"), ("int8_per_token_head", "HND", 80, "PairFormat"),
+    ("int4_per_token_head", "NHD", 128, "Int4WordFormat"),
+    ("int4_per_token_head", "HND", 32, "Int4WordFormat"),
+    ("nvfp4", "HND", 64, "Nvfp4WordFormat"), ("nvfp4", "HND", 32, "Nvfp4Format"),
+    ("bfloat16", "NHD", 128, "RowFormat")])
+def test_decode_reads_codes_as_words_where_it_can(cache_dtype, layout, d, hooks):
+  """The hooks pair_codes picks (what test_codes_as_words_or_bytes runs), and their parts."""
+  from pallas_kernels.triton.formats import TileFormat
+  spec = kvjax.KVCacheSpec(2, d, 16, cache_dtype, layout=layout)
+  tf = TileFormat.of(spec, jnp.bfloat16).paired(ptx=False)
+  assert type(tf).__name__ == hooks
+  cols = np.concatenate([np.asarray(c)[np.asarray(m)]
+                         for c, m in (tf.part_cols(j) for j in range(tf.num_parts))])
+  assert sorted(cols.tolist()) == list(range(d))       # every head dim in exactly one part
 
 
 def test_bad_arguments_are_caught_before_the_kernel():

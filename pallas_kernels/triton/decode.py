@@ -23,7 +23,7 @@ from pallas_kernels.common import merge_splits, static_or_none, words_view
 from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits, default_config
 from pallas_kernels.triton.decode_kernel import decode_call
 from pallas_kernels.triton.formats import TileFormat
-from pallas_kernels.triton.pairs import pairs_in_ptx
+from pallas_kernels.triton import pairs
 
 
 def _kernel_scales(tf: TileFormat, k_scale, v_scale, scale=None):
@@ -67,7 +67,7 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   tf = dataclasses.replace(tf, fast_decode=config.fast_decode, compute_dtype=np.dtype(
       config.compute_dtype or tf.compute_dtype))
   if config.pair_codes:
-    tf = tf.paired(ptx=not interpret and pairs_in_ptx(spec.codec.quant))
+    tf = tf.paired(ptx=not interpret and pairs.pairs_in_ptx(spec.codec.quant))
   num_blocks = cache.shape[0]
   splits = choose_num_splits(config, s, h, jnp.shape(block_table)[1], spec.block_size)
   sink_hg = (jnp.zeros((h, g), jnp.float32) if sinks is None
@@ -93,9 +93,10 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   else:
     acc, m, l = res
     out = merge_splits(acc, m, l, None if sinks is None else sink_hg, g)
-  if tf.split:
-    w, dh = tf.part_width, d // 2
-    out = jnp.stack([out[..., :dh], out[..., w:w + dh]], axis=-1).reshape(s, h, g, d)
+  if tf.split:      # part j holds head dims P*i + j
+    w, dp = tf.part_width, d // tf.num_parts
+    out = jnp.stack([out[..., j * w:j * w + dp] for j in range(tf.num_parts)],
+                    axis=-1).reshape(s, h, g, d)
   else:
     out = out[..., :d]
   return out.reshape(s, hq, d).astype(q.dtype)

@@ -39,7 +39,8 @@ class DecodeConfig:
       one rule of :func:`pallas_kernels.common.compute_dtype`.
     pair_codes: formats of one-byte codes (fp8 per tensor, int8 / fp8 per token-head) read
       as uint16 words of two codes, split into even / odd head-dim operands in registers
-      (:mod:`pallas_kernels.triton.pairs`); False reads bytes.
+      (:mod:`pallas_kernels.triton.pairs`), int4 and nvfp4 as uint16 words of four codes
+      split into four head-dim parts; False reads bytes.
   """
   tokens_per_step: int = 64
   num_splits: Optional[int] = None

@@ -7,7 +7,7 @@ gathers the block ids of the T tokens from the block table, loads the K rows
 and V rows of those tokens from the flat pages (K and V of a token in the same
 step, so every cache line fetched is used), scores the padded query group
 ``[Gp, D]`` (read from q in the kernel, padding rows masked) against K with one
-dot, updates an online softmax and accumulates ``p @ V``. With one split it
+dot, updates an online softmax (base 2) and accumulates ``p @ V``. With one split it
 normalizes in the kernel (sinks included) and writes the output directly; with
 several it writes unnormalized partials (acc, running max m, sum l) that
 :func:`pallas_kernels.common.merge_splits` combines (with the sinks) in XLA.
@@ -15,6 +15,7 @@ several it writes unnormalized partials (acc, running max m, sum l) that
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,11 @@ from pallas_kernels.triton.formats import TileFormat
 
 #: Finite "minus infinity" for masked scores (avoids inf - inf = NaN).
 NEG = -1e30
+#: The online softmax runs in base 2 (scores times log2(e), ``exp2``): the multiply is folded
+#: into the score scale, and ``exp2`` compiles to one ``ex2.approx.ftz`` where ``exp`` adds a
+#: range reduction (sm_90 machine code: 82-142 fewer instructions a step, up to 12 fewer
+#: registers a thread).
+LOG2E = math.log2(math.e)
 
 
 def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *refs,
@@ -88,13 +94,15 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
 
   def update(i, tiles, m, l, accs):
     _, valid = visible(i)
-    sc = tf.scores(q_parts, qsum, tiles, k_scale) * scale
-    if soft_cap is not None:
-      sc = soft_cap * jnp.tanh(sc / soft_cap)
+    sc = tf.scores(q_parts, qsum, tiles, k_scale)
+    if soft_cap is None:
+      sc = sc * (scale * LOG2E)
+    else:
+      sc = (soft_cap * LOG2E) * jnp.tanh(sc * (scale / soft_cap))
     sc = jnp.where(valid[None, :], sc, NEG)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(valid[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.where(valid[None, :], jnp.exp2(sc - m_new[:, None]), 0.0)
     l_new = l * alpha + jnp.sum(p, axis=1)
     parts = tf.values(p, tiles, v_scale)
     accs = tuple(a * alpha[:, None] + o for a, o in zip(accs, parts))
@@ -122,10 +130,10 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
     # Single pass: normalize here (sinks join the denominator) and write the padded group.
     (o_ref,) = out_refs
     if has_sinks:
-      sk = pltriton.load(sink_ref.at[(h, rows_c)], mask=rows, other=0.0)
+      sk = pltriton.load(sink_ref.at[(h, rows_c)], mask=rows, other=0.0) * LOG2E
       m_f = jnp.maximum(m, sk)
-      alpha = jnp.exp(m - m_f)
-      denom = l * alpha + jnp.exp(sk - m_f)
+      alpha = jnp.exp2(m - m_f)
+      denom = l * alpha + jnp.exp2(sk - m_f)
     else:
       alpha, denom = jnp.ones_like(l), l
     coef = jnp.where(l > 0, alpha / jnp.where(l > 0, denom, 1.0), 0.0)
@@ -136,7 +144,7 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
   acc_ref, m_ref, l_ref = out_refs
   for j, a in enumerate(accs):
     pltriton.store(acc_ref.at[:, j * w:(j + 1) * w], a, mask=rows[:, None])
-  pltriton.store(m_ref.at[:], m, mask=rows)
+  pltriton.store(m_ref.at[:], m * (1.0 / LOG2E), mask=rows)    # natural log, as merged
   pltriton.store(l_ref.at[:], l, mask=rows)
 
 
@@ -158,13 +166,13 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
     pages: the cache as ``[B, page_elems]`` (a free reshape of the physical array).
     views: the same pages viewed as each of the format's :meth:`TileFormat.view_dtypes`
       (float32 words ``[B, page_elems / 4]`` for row scales, uint16 pairs ``[B, page_elems
-      / 2]`` for :class:`~pallas_kernels.triton.formats.PairFormat`).
+      / 2]`` for the formats' word hooks, :class:`~pallas_kernels.triton.formats.WordRows`).
   Returns:
     ``num_splits == 1``: the normalized output ``[S, H, Gp, parts * W]`` in q's dtype
     (rows past G and columns past the head size are padding).
-    Otherwise unnormalized partials: acc float32 ``[S, H, splits, Gp, parts * W]`` (split
-    formats hold [even | odd] head dims), m, l float32 ``[S, H, splits, Gp]``; only the
-    first G rows of the Gp axis are written.
+    Otherwise unnormalized partials: acc float32 ``[S, H, splits, Gp, parts * W]`` (part
+    ``j`` of a split format holds head dims ``parts * i + j``), m (natural log) and l float32
+    ``[S, H, splits, Gp]``; only the first G rows of the Gp axis are written.
   """
   num_seqs, num_heads, num_groups, head_size = q.shape
   gp = max(16, next_pow2(num_groups))

@@ -20,8 +20,9 @@ A hook object is static (frozen, hashable). Its in-kernel methods:
 - ``dequant(tiles, k_scale, v_scale)`` -> float32 (K parts, V parts) ``[T, part_width]``;
 - ``write_tokens(p, io, slot, head, valid)`` -> stores the rows of a program's tokens.
 
-Split formats (``split``) handle q, accumulators and dequantized parts as (even head dims,
-odd head dims); the kernels interleave them.
+Split formats (``num_parts > 1``) handle q, accumulators and dequantized parts as
+``num_parts`` parts, part ``j`` holding head dims ``num_parts * i + j`` (even / odd for two
+parts); the kernels interleave them.
 """
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ class TileFormat:
   compute_dtype: np.dtype
   fast_decode: bool = True
 
-  #: Even and odd head dims kept apart (q, accumulators and outputs in two parts).
-  split: ClassVar[bool] = False
+  #: Parts q, accumulators and outputs are kept in: part ``j`` holds head dims
+  #: ``num_parts * i + j`` (2: even and odd head dims apart).
+  num_parts: ClassVar[int] = 1
   #: The ragged kernel may read this format as rows ``[B*N*H, C]`` (row tiles).
   row_table: ClassVar[bool] = False
 
@@ -112,8 +114,9 @@ class TileFormat:
 
   # -- static facts -------------------------------------------------------------------------
   @property
-  def num_parts(self) -> int:
-    return 2 if self.split else 1
+  def split(self) -> bool:
+    """Whether head dims are kept in several parts."""
+    return self.num_parts > 1
 
   @property
   def part_width(self) -> int:
@@ -130,9 +133,7 @@ class TileFormat:
   def part_cols(self, part: int):
     """Head-dim columns that part ``part`` holds (``[part_width]``) and which are real."""
     i = jnp.arange(self.part_width, dtype=_I32)
-    if self.split:
-      return 2 * i + part, i < self.head_size // 2
-    return i, i < self.head_size
+    return self.num_parts * i + part, i < self.head_size // self.num_parts
 
   # -- in-kernel helpers --------------------------------------------------------------------
   def dot(self, a, b, trans_b=False):
@@ -161,10 +162,14 @@ class TileFormat:
     return {}
 
   def paired(self, ptx: bool) -> "TileFormat":
-    """These hooks reading one-byte codes as uint16 pairs (:class:`PairFormat`) where the
-    format has a pair conversion, else ``self``. ``ptx``: convert with PTX
-    (:mod:`pallas_kernels.triton.pairs`)."""
+    """These hooks reading the codes as uint16 words (:class:`PairFormat`,
+    :class:`Int4WordFormat`, :class:`Nvfp4WordFormat`) where the format has a word
+    conversion, else ``self``. ``ptx``: convert with PTX (:mod:`pallas_kernels.triton.pairs`)."""
     return self
+
+  def _as(self, cls, **extra) -> "TileFormat":
+    """These hooks' fields as hooks of class ``cls`` (a subclass), with ``extra`` fields."""
+    return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **extra)
 
   @property
   def fast_f16(self) -> bool:
@@ -282,8 +287,7 @@ class RowFormat(TileFormat):
     if (self.storage.itemsize != 1 or self.head_size % 2 or
         not pairs.has_pairs(self.codec.quant)):
       return self
-    return PairFormat(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-                      ptx=ptx)
+    return self._as(PairFormat, ptx=ptx)
 
   def _qk(self, q_parts, k):
     """float32 ``[Gp, T]`` dot of the q parts with a K data tile (before its scales)."""
@@ -369,34 +373,20 @@ class RowFormat(TileFormat):
         io.store_rows(row, base + off + col, val.astype(dtype), valid, cmask)
 
 
-@dataclasses.dataclass(frozen=True)
-class PairFormat(RowFormat):
-  """A row format of one-byte codes (fp8 per tensor, int8 / fp8 per token-head) read as
-  uint16 words of two codes through a uint16 view of the pages, its dots split over even and
-  odd head dims (:mod:`pallas_kernels.triton.pairs` says why). Same values as
-  :class:`RowFormat`; the decode kernel's hooks (``DecodeConfig.pair_codes``).
-
-  ptx: convert the pairs with PTX (compiled for CUDA), else with the element formulas.
-  """
-  split: ClassVar[bool] = True
-  row_table: ClassVar[bool] = False
-  ptx: bool = False
+class WordRows:
+  """Row loads through a uint16 view of the pages (a mixin of the row formats' word hooks):
+  each side's data as ``[T, part_width]`` words (``data_dim / 2`` of them real), the float32
+  row scales as :class:`RowFormat` reads them. The class sets ``ptx`` (convert with PTX,
+  compiled for CUDA, else with the element formulas)."""
 
   @property
   def part_width(self) -> int:
-    """Half the padded head dim: the words of a row (>= 16, the smallest dot)."""
+    """The words of a side's data, at least 16 (the smallest dot)."""
     return max(16, self.data_pad // 2)
 
-  @property
-  def decode_defaults(self) -> dict:
-    """Without row scales (fp8 per tensor) 128 keys a step in 2 stages: 96 -> 140 registers
-    a thread, 3 blocks an SM with 32 KiB of keys each (H200, 64 x 4096 and 256 x 1024: 0-11 %
-    faster than 64 keys; the row-scaled formats 15-30 % slower with 128)."""
-    return {} if self.row_scaled else {"tokens_per_step": 128, "num_stages": 2}
-
   def view_dtypes(self, scale_words: bool = True) -> tuple:
-    """uint16 pairs, then the float32 words of the row scales where :class:`RowFormat` reads
-    them."""
+    """uint16 words, then the float32 words of the row scales where :class:`RowFormat`
+    reads them."""
     return (np.dtype(np.uint16), *super().view_dtypes(scale_words))
 
   def paired(self, ptx: bool) -> TileFormat:
@@ -405,18 +395,39 @@ class PairFormat(RowFormat):
   def load_kv(self, pages_ref, blk, tok, head, valid, views=()):
     """``views``: (the pages as uint16 words ``[B, page_elems / 2]``, [float32 words]) as
     :meth:`view_dtypes` lists them."""
-    pairs_ref = views[0]
+    words_ref = views[0]
     cols = jnp.arange(self.part_width, dtype=_I32)
-    mask = valid[:, None] & (cols < self.head_size // 2)[None, :]
+    mask = valid[:, None] & (cols < self.data_dim // 2)[None, :]
     base = self.addr.offset(tok, head)                                # in bytes
     half = lax.div(base, 2)                                           # in words
-    k = self.gather(pairs_ref, blk, half[:, None] + cols[None, :], mask)
-    v = self.gather(pairs_ref, blk, half[:, None] + (cols + self.v_offset // 2)[None, :], mask)
+    k = self.gather(words_ref, blk, half[:, None] + cols[None, :], mask)
+    v = self.gather(words_ref, blk, half[:, None] + (cols + self.v_offset // 2)[None, :], mask)
     if not self.row_scaled:
       return (k, v)
     offs = (base + self.data_dim, base + self.v_offset + self.data_dim)
-    words_ref = views[1] if len(views) > 1 else None
-    return (k, v, *self._row_scales(pages_ref, words_ref, blk, offs, valid))
+    scales_ref = views[1] if len(views) > 1 else None
+    return (k, v, *self._row_scales(pages_ref, scales_ref, blk, offs, valid))
+
+
+@dataclasses.dataclass(frozen=True)
+class PairFormat(WordRows, RowFormat):
+  """A row format of one-byte codes (fp8 per tensor, int8 / fp8 per token-head) read as
+  uint16 words of two codes through a uint16 view of the pages, its dots split over even and
+  odd head dims (:mod:`pallas_kernels.triton.pairs` says why). Same values as
+  :class:`RowFormat`; the decode kernel's hooks (``DecodeConfig.pair_codes``).
+
+  ptx: convert the pairs with PTX (compiled for CUDA), else with the element formulas.
+  """
+  num_parts: ClassVar[int] = 2
+  row_table: ClassVar[bool] = False
+  ptx: bool = False
+
+  @property
+  def decode_defaults(self) -> dict:
+    """Without row scales (fp8 per tensor) 128 keys a step in 2 stages: 96 -> 140 registers
+    a thread, 3 blocks an SM with 32 KiB of keys each (H200, 64 x 4096 and 256 x 1024: 0-11 %
+    faster than 64 keys; the row-scaled formats 15-30 % slower with 128)."""
+    return {} if self.row_scaled else {"tokens_per_step": 128, "num_stages": 2}
 
   def _qk(self, q_parts, k):
     even, odd = pairs.pair_to_f16(k, self.codec.quant, self.ptx)
@@ -431,24 +442,30 @@ class PairFormat(RowFormat):
 class Int4Format(RowFormat):
   """int4 per token-head: packed nibbles (low = even element) and a float32 scale carrying
   the zero point in its low 4 bits."""
-  split: ClassVar[bool] = True
+  num_parts: ClassVar[int] = 2
   row_table: ClassVar[bool] = False
   write_defaults: ClassVar[tuple] = (1, True)
 
+  def _f16_codes(self, x):
+    """A data tile (bytes) -> (float16 codes of each part, the factor each carries)."""
+    return quant.nibbles_to_f16(x), (1.0, 16.0)
+
   def _codes(self, x):
-    """uint8 tile -> (low codes, high codes x f, f): float16 from their bits with the high
-    codes 16 x too (:attr:`fast_f16`, f = 16), else float32 (f = 1). Dots over the high codes
-    are divided by f."""
+    """A data tile -> its parts' codes, each with the factor its values carry: float16 from
+    the bits (:attr:`fast_f16`; the high nibbles 16 x), else float32 (factor 1). Dots over
+    a part are divided by its factor."""
     if self.fast_f16:
-      return (*quant.nibbles_to_f16(x), 16.0)
-    return (*(c.astype(jnp.float32) for c in quant.nibbles(x)), 1.0)
+      return tuple(zip(*self._f16_codes(x)))
+    return tuple((c.astype(jnp.float32), 1.0) for c in quant.nibbles(x))
 
   def scores(self, q_parts, qsum, tiles, k_scale):
     k, _, ks, _ = tiles
     scale, zp = quant.int4_unpack_scale(ks)
-    lo, hi, f = self._codes(k)
-    s = (self.dot(q_parts[0], lo, trans_b=True) +
-         self.dot(q_parts[1], hi, trans_b=True) * (1.0 / f))
+    by_factor = {}       # dots of parts with equal factors added before one division
+    for qp, (c, f) in zip(q_parts, self._codes(k)):
+      d = self.dot(qp, c, trans_b=True)
+      by_factor[f] = d if f not in by_factor else by_factor[f] + d
+    s = sum(d * (1.0 / f) if f != 1.0 else d for f, d in by_factor.items())
     return (s - qsum[:, None] * zp[None, :]) * scale[None, :]
 
   def values(self, p, tiles, v_scale):
@@ -456,8 +473,8 @@ class Int4Format(RowFormat):
     scale, zp = quant.int4_unpack_scale(vs)
     w = (p * scale[None, :]).astype(self.compute_dtype).astype(jnp.float32)
     corr = jnp.sum(w * zp[None, :], axis=1)[:, None]
-    lo, hi, f = self._codes(v)
-    return (self.dot(w, lo) - corr, self.dot(w, hi) * (1.0 / f) - corr)
+    return tuple((self.dot(w, c) * (1.0 / f) if f != 1.0 else self.dot(w, c)) - corr
+                 for c, f in self._codes(v))
 
   def dequant(self, tiles, k_scale, v_scale):
     out = []
@@ -466,6 +483,10 @@ class Int4Format(RowFormat):
       out.append(tuple((c.astype(jnp.float32) - zp[:, None]) * scale[:, None]
                        for c in quant.nibbles(x)))
     return tuple(out)
+
+  def paired(self, ptx: bool) -> TileFormat:
+    """:class:`Int4WordFormat`: four codes a uint16 word (head sizes divisible by 4)."""
+    return self if self.head_size % 4 else self._as(Int4WordFormat, ptx=ptx)
 
   @property
   def write_words(self) -> bool:
@@ -507,10 +528,23 @@ class Int4Format(RowFormat):
 
 
 @dataclasses.dataclass(frozen=True)
+class Int4WordFormat(WordRows, Int4Format):
+  """int4 per token-head read as uint16 words of four codes through a uint16 view of the
+  pages, its dots over four parts (head dims ``4i + j``), each word split in registers
+  (:func:`pallas_kernels.triton.pairs.nibble_words_to_f16`). Same values as
+  :class:`Int4Format`; the decode kernel's hooks (``DecodeConfig.pair_codes``)."""
+  num_parts: ClassVar[int] = 4
+  ptx: bool = False
+
+  def _f16_codes(self, x):
+    return pairs.nibble_words_to_f16(x, "int4", self.ptx), pairs.NIBBLE_FACTORS["int4"]
+
+
+@dataclasses.dataclass(frozen=True)
 class Nvfp4Format(TileFormat):
   """nvfp4 (HND): per page side ``[data (H, N, D/2) | scales (H, N, D/16)]``, K side first;
   V scales 4x4-swizzled (:class:`kvjax.codecs.nvfp4.SideLayout`)."""
-  split: ClassVar[bool] = True
+  num_parts: ClassVar[int] = 2
   write_defaults: ClassVar[tuple] = (1, True)
 
   @staticmethod
@@ -528,43 +562,54 @@ class Nvfp4Format(TileFormat):
     covers 8 data bytes, so ``8 * scale_pad == data_pad``)."""
     return self.data_pad // 8
 
-  def load_kv(self, pages_ref, blk, tok, head, valid, views=()):
+  def _load_data(self, pages_ref, views, blk, data, valid):
+    """The K and V data tiles ``[T, data_pad]`` (bytes) of the rows at byte offsets ``data``."""
     del views
-    lay = self.side
     cols, cmask = self._cols()
     mask = valid[:, None] & cmask[None, :]
-    data = self.addr.offset(tok, head)                   # [T]
-    kd = self.gather(pages_ref, blk, data[:, None] + cols[None, :], mask)
-    vd = self.gather(pages_ref, blk, (lay.side_elems + data)[:, None] + cols[None, :], mask)
+    return tuple(self.gather(pages_ref, blk, (side + data)[:, None] + cols[None, :], mask)
+                 for side in (0, self.side.side_elems))
+
+  def load_kv(self, pages_ref, blk, tok, head, valid, views=()):
+    """``views``: what :meth:`view_dtypes` lists (none here; :class:`Nvfp4WordFormat`
+    reads its data from uint16 words)."""
+    lay = self.side
+    data = self.addr.offset(tok, head)                   # [T], in bytes
+    kd, vd = self._load_data(pages_ref, views, blk, data, valid)
     if self.fast_decode:   # one scale byte per 16-value group: [T, D/16], broadcast later
       grp = jnp.arange(self.scale_pad, dtype=_I32)[None, :]
       smask = valid[:, None] & (grp < lay.num_scales)
     else:                  # the scale byte of every data byte i (group i // 8): [T, D/2]
-      grp, smask = (cols // 8)[None, :], mask
+      cols, cmask = self._cols()
+      grp, smask = (cols // 8)[None, :], valid[:, None] & cmask[None, :]
     k_sc = lay.scale_offset(0, tok[:, None], head, grp)
     v_sc = lay.side_elems + lay.scale_offset(1, tok[:, None], head, grp)
     ksf = self.gather(pages_ref, blk, k_sc, smask)
     vsf = self.gather(pages_ref, blk, v_sc, smask)
     return (kd, vd, ksf, vsf)
 
+  def _f16_codes(self, data):
+    """The parts' float16 values of a data tile (bytes: even, odd)."""
+    return quant.e2m1_pair_to_f16(data)
+
   def _values(self, data, sf_bytes, dtype=None):
-    """(even, odd) values of a data tile ``[T, data_pad]`` with its e4m3 scale bytes (one
+    """The parts' values of a data tile ``[T, part_width]`` with its e4m3 scale bytes (one
     per group ``[T, scale_pad]`` with :attr:`fast_decode`, else one per data byte): float16
     from the bits with :attr:`fast_f16` (every product is exact in it), else float32."""
     sf = quant.from_bits(sf_bytes, jnp.float8_e4m3fn)
-    if self.fast_decode:
-      t = sf.shape[0]
-      sf = jnp.broadcast_to(sf[:, :, None], (t, self.scale_pad, 8)).reshape(t, self.data_pad)
+    if self.fast_decode:   # a group's scale over its part_width / scale_pad columns
+      t, per = sf.shape[0], self.part_width // self.scale_pad
+      sf = jnp.broadcast_to(sf[:, :, None], (t, self.scale_pad, per)).reshape(t,
+                                                                             self.part_width)
     if self.fast_f16 and dtype is None:
       sf = sf.astype(jnp.float16)
-      return tuple(x * sf for x in quant.e2m1_pair_to_f16(data))
+      return tuple(x * sf for x in self._f16_codes(data))
     sf = sf.astype(jnp.float32)
     return tuple(quant.e2m1_decode(c) * sf for c in quant.nibbles(data))
 
   def scores(self, q_parts, qsum, tiles, k_scale):
     kd, _, ksf, _ = tiles
-    lo, hi = self._values(kd, ksf)
-    s = self.dot(q_parts[0], lo, trans_b=True) + self.dot(q_parts[1], hi, trans_b=True)
+    s = sum(self.dot(qp, x, trans_b=True) for qp, x in zip(q_parts, self._values(kd, ksf)))
     return s * k_scale
 
   def values(self, p, tiles, v_scale):
@@ -576,6 +621,13 @@ class Nvfp4Format(TileFormat):
     f32 = jnp.float32
     return (tuple(x * k_scale for x in self._values(kd, ksf, f32)),
             tuple(x * v_scale for x in self._values(vd, vsf, f32)))
+
+  def paired(self, ptx: bool) -> TileFormat:
+    """:class:`Nvfp4WordFormat` where a side's data row holds at least 16 words (D >= 64)
+    and the scales come one per group (:attr:`fast_decode`)."""
+    if not self.fast_decode or self.data_pad // 2 < 16:
+      return self
+    return self._as(Nvfp4WordFormat, ptx=ptx)
 
   # -- write: rows of the table are page sides -----------------------------------------------
   def write_scales(self, k_scale, v_scale):
@@ -621,3 +673,38 @@ class Nvfp4Format(TileFormat):
       scale_col = lay.scale_offset(side, off[:, None], head[:, None], g[None, :])
       io.store(jnp.broadcast_to(out_row[:, None], (rows, sp)),
                jnp.broadcast_to(scale_col, (rows, sp)), quant.to_bits(sf), smask)
+
+
+@dataclasses.dataclass(frozen=True)
+class Nvfp4WordFormat(Nvfp4Format):
+  """nvfp4 read as uint16 words of four e2m1 codes through a uint16 view of the pages, its
+  dots over four parts (head dims ``4i + j``: a word's four values share a scale), each word
+  split in registers (:func:`pallas_kernels.triton.pairs.nibble_words_to_f16`). Same values
+  as :class:`Nvfp4Format`; the decode kernel's hooks (``DecodeConfig.pair_codes``).
+
+  ptx: convert with PTX (compiled for CUDA), else with the element formulas.
+  """
+  num_parts: ClassVar[int] = 4
+  ptx: bool = False
+
+  @property
+  def part_width(self) -> int:
+    """The words of a side's data row (D / 4; :meth:`paired` keeps it >= 16)."""
+    return self.data_pad // 2
+
+  def view_dtypes(self, scale_words: bool = True) -> tuple:
+    return (np.dtype(np.uint16),)
+
+  def paired(self, ptx: bool) -> TileFormat:
+    return dataclasses.replace(self, ptx=ptx)
+
+  def _load_data(self, pages_ref, views, blk, data, valid):
+    """``views``: (the pages as uint16 words ``[B, page_elems / 2]``,): the K and V data
+    tiles ``[T, part_width]`` as words."""
+    cols = jnp.arange(self.part_width, dtype=_I32)
+    mask = valid[:, None] & (cols < self.data_dim // 2)[None, :]
+    return tuple(self.gather(views[0], blk, lax.div(side + data, 2)[:, None] + cols[None, :],
+                             mask) for side in (0, self.side.side_elems))
+
+  def _f16_codes(self, data):
+    return pairs.nibble_words_to_f16(data, "e2m1", self.ptx)
