@@ -162,6 +162,33 @@ def test_plot_decode_bandwidth_png(tmp_path, rng, device):
   _check_png(path)
 
 
+def _format_rows(rng):
+  """bench_decode.py-like rows of the Triton kernel: three formats, both layouts, two shapes."""
+  rows = []
+  for cd, item in (("bfloat16", 1.0), ("fp8", 0.5), ("int4_per_token_head", 0.266)):
+    for layout in ("NHD", "HND"):
+      for batch, ctx in ((64, 4096), (8, 32768)):
+        x = 1.0 if item == 1.0 else float(rng.uniform(1.0, 1.8))
+        rows.append(dict(kernel="triton", cache_dtype=cd, layout=layout, batch=batch,
+                         context=ctx, bytes_vs_bf16=item, us=280.0 / x, x_bf16=x,
+                         tb_per_s=3.8 * x * item, vllm_us=300.0 if cd != "bfloat16" else 290.0))
+  return {"device": "synthetic", "date": "2026-12-02", "rows": rows}
+
+
+def test_plot_decode_speedup_png(tmp_path, rng):
+  data = _format_rows(rng)
+  _check_png(plot_decode.plot_decode_speedup(data, str(tmp_path / "x.png")))
+  _check_png(plot_decode.plot_decode_speedup(data, str(tmp_path / "y.png"),
+                                             formats=("bfloat16", "fp8")))
+  _check_png(plot_decode.plot_decode_bandwidth(data, str(tmp_path / "z.png"),
+                                               formats=("fp8",), kernels=("triton",)))
+  with pytest.raises(ValueError, match="no decode results row"):
+    plot_decode.plot_decode_bandwidth(data, str(tmp_path / "w.png"), formats=("nvfp4",))
+  del data["rows"][0]["x_bf16"]
+  with pytest.raises(ValueError, match="x_bf16"):
+    plot_decode.plot_decode_speedup(data, str(tmp_path / "v.png"))
+
+
 def test_decode_results_are_checked(tmp_path, rng):
   with pytest.raises(ValueError, match="rows"):
     plot_decode.plot_decode_bandwidth({"rows": []}, str(tmp_path / "x.png"))
@@ -179,6 +206,10 @@ def test_clis_draw_their_pictures(tmp_path, rng):
   src.write_text(json.dumps(_synthetic_results(rng)))
   assert plot_decode.main(["--results", str(src), "--out", str(out / "bw.png")]) == 0
   _check_png(out / "bw.png")
+  src.write_text(json.dumps(_format_rows(rng)))
+  assert plot_decode.main(["--results", str(src), "--out", str(out / "bw2.png"), "--formats",
+                           "fp8", "--speedup-out", str(out / "speed.png")]) == 0
+  _check_png(out / "speed.png")
 
 
 def test_bad_input_and_missing_matplotlib(monkeypatch, tmp_path):
