@@ -61,6 +61,9 @@ VARIANTS = {
     "t128_one_pass": {"tokens_per_step": 128, "single_pass_programs": 3 * NUM_SMS},
     "t32": {"tokens_per_step": 32},
     "w2": {"num_warps": 2},
+    # 2 warps: fewer instructions a key in the sm_90 machine code (int4 45.5 -> 31.8, fp8 per
+    # token-head 39.5 -> 27.2 with 2 stages; benchmarks/triton_sass.py), fewer warps an SM
+    "w2_s2": {"num_warps": 2, "num_stages": 2},
 }
 
 
