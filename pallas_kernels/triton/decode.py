@@ -93,10 +93,6 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   else:
     acc, m, l = res
     out = merge_splits(acc, m, l, None if sinks is None else sink_hg, g)
-  if tf.split:      # part j holds head dims P*i + j
-    w, dp = tf.part_width, d // tf.num_parts
-    out = jnp.stack([out[..., j * w:j * w + dp] for j in range(tf.num_parts)],
-                    axis=-1).reshape(s, h, g, d)
-  else:
-    out = out[..., :d]
+  w, dp = tf.part_width, d // tf.num_parts      # part j holds head dims P*i + j
+  out = jnp.stack([out[..., j * w:j * w + dp] for j in range(tf.num_parts)], axis=-1)
   return out.reshape(s, hq, d).astype(q.dtype)

@@ -285,7 +285,7 @@ class RowFormat(TileFormat):
 
   def paired(self, ptx: bool) -> TileFormat:
     if (self.storage.itemsize != 1 or self.head_size % 2 or
-        not pairs.has_pairs(self.codec.quant)):
+        pairs.codes_per_word(self.codec.quant) != 2):
       return self
     return self._as(PairFormat, ptx=ptx)
 
