@@ -293,7 +293,7 @@ FORMAT_ROWS = [("auto", "NHD"), ("auto", "HND"), ("fp8", "NHD"), ("fp8", "HND"),
                ("int4_per_token_head", "NHD"), ("int4_per_token_head", "HND"),
                ("nvfp4", "HND")]
 #: Launch configurations tried per format (the best is reported; the default is marked).
-FORMAT_CONFIGS = [cu.WriteConfig(tb, w, pair_split=ps) for tb in (1, 2, 4, 8) for w in (2, 4)
+FORMAT_CONFIGS = [cu.WriteConfig(tb, w, pair_split=ps) for tb in (1, 2, 4, 8) for w in (1, 2, 4)
                   for ps in (True, False)]
 
 
@@ -326,12 +326,15 @@ def vllm_write_us(spec, t, rng):
   return time_torch(fn) * 1e3
 
 
-def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm):
+def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, formats=None):
   """Per format: best configuration's device time per write of ``t_tok`` tokens, rates, % of
-  the copy's read+written rate, and vLLM's writer on the same problem."""
+  the copy's read+written rate, and vLLM's writer on the same problem. ``formats``: the cache
+  dtypes to time (None: all)."""
   rows = []
   configs = FORMAT_CONFIGS[:2] if smoke else FORMAT_CONFIGS
   for cd, layout in (FORMAT_ROWS[::4] if smoke else FORMAT_ROWS):
+    if formats is not None and cd not in formats:
+      continue
     spec = KVCacheSpec(8, 128, 16, cd, layout)
     nb = (2**22 if smoke else 2 * 2**30) // spec.page_bytes
     cache = fill_cache(spec, nb)
@@ -414,6 +417,8 @@ def main():
                   "formats (the per-format table)")
   ap.add_argument("--json", default=None, help="write the per-format table here")
   ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's writers")
+  ap.add_argument("--formats", default=None,
+                  help="comma list of cache dtypes for the per-format table (default: all)")
   ap.add_argument("--profile", default=None, metavar="CACHE_DTYPE:LAYOUT",
                   help="only run one warm compiled write loop of this format (for a profiler)")
   args = ap.parse_args()
@@ -559,7 +564,8 @@ def main():
   if "formats" in parts:
     log("\n## 5. per-format table")
     format_rows = format_table(rng, crate, t_tok, iters, trials, interpret, smoke,
-                               not args.no_vllm)
+                               not args.no_vllm,
+                               None if args.formats is None else args.formats.split(","))
     if args.json:
       import json
       with open(args.json, "w") as fh:

@@ -56,11 +56,6 @@ def finite_max(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
 
-def signbit_u8(x):
-  """1 where float32 ``x`` has its sign bit set (also -0.0), else 0, as uint8."""
-  return (jax.lax.bitcast_convert_type(x, _U32) >> _U32(31)).astype(jnp.uint8)
-
-
 # -- storage bits ------------------------------------------------------------------------------
 _UINT_OF_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
@@ -278,21 +273,25 @@ def to_f16_saturating(x):
 
 # -- nvfp4 -------------------------------------------------------------------------------------
 def e2m1_encode(y):
-  """float32 -> 4-bit e2m1 code (uint8 in [0, 15]), round to nearest even, saturating.
+  """float32 -> 4-bit e2m1 code (uint32 in [0, 15]), round to nearest even, saturating
+  (|y| >= 6, inf and NaN give 6.0's code 7), y's sign bit as bit 3.
 
-  Below 1 the grid is {0, 0.5, 1} (two comparisons); from 1 up, e2m1 is float32 rounded to
-  one mantissa bit (add the round-to-even bias to the bits, keep exponent and top mantissa
-  bit), saturating at code 7 (6.0). Integer-only on the bits, so no compiler can
-  reassociate it.
+  e2m1's grid is uniform on three pieces and its codes count along it: ``2a`` on [0, 2],
+  ``a + 2`` on [2, 4], ``a / 2 + 4`` on [4, 6] (``a = min(|y|, 6)``). The code is the lower
+  envelope of the three lines, so (rounding being monotone) it is the smallest of the three
+  rounded to integers. Rounding a float32 below 2**22 to an integer is adding 2**23 (no
+  fraction survives); each piece's offset goes into that constant. ``2a`` and ``a / 2`` are
+  exact: one rounding a piece, nothing for a compiler to reassociate. Ties to an even integer
+  are e2m1's ties to an even code (a code's low bit is its mantissa bit).
   """
-  a = jnp.abs(y)
-  sub = ((a > np.float32(0.25)).astype(_U32) + (a >= np.float32(0.75)).astype(_U32))
-  bits = jax.lax.bitcast_convert_type(a, _U32)
-  lsb = (bits >> _U32(22)) & _U32(1)
-  top = (bits + _U32(0x1FFFFF) + lsb) >> _U32(22)                     # (exp << 1) | mantissa
-  norm = jnp.minimum(top, _U32(259)) - _U32(252)                      # 1.0 -> 2 ... 6.0 -> 7
-  code = jnp.where(a < np.float32(1.0), sub, norm).astype(jnp.uint8)
-  return code | (signbit_u8(y) << jnp.uint8(3))
+  bits = jax.lax.bitcast_convert_type(y, _U32)
+  a = jax.lax.bitcast_convert_type(jnp.minimum(bits & _U32(0x7FFFFFFF), _U32(0x40C00000)),
+                                   jnp.float32)                            # min(|y|, 6.0)
+  pieces = [jax.lax.bitcast_convert_type(a * np.float32(k) + np.float32(2**23 + off), _U32)
+            for k, off in ((2.0, 0), (1.0, 2), (0.5, 4))]
+  code = jnp.minimum(jnp.minimum(pieces[0], pieces[1]), pieces[2])      # 2**23 + code
+  sign = bits >> _U32(28)                                   # sign bit at bit 3, below it < 8
+  return sign ^ ((code ^ sign) & _U32(7))                 # code's low bits, the sign above
 
 
 def e2m1_decode(code):
@@ -313,10 +312,20 @@ def nvfp4_group_scale(amax, gs):
   return jnp.clip(div_const(gs * amax, 6.0), 0, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
-def nvfp4_codes(x, gs, sf32):
-  """e2m1 codes of values ``x`` (times ``gs``) in groups of scale ``sf32`` (float32, 0 -> 0)."""
+def nvfp4_recip(sf32, recip=None):
+  """(``1 / sf`` with 1 for a zero scale, where the scale is zero) of float32 group scales;
+  ``recip``: the kernel's IEEE reciprocal (default ``1.0 / x``)."""
   zero = sf32 == 0
-  return e2m1_encode(jnp.where(zero, 0.0, (x * gs) * (1.0 / jnp.where(zero, 1.0, sf32))))
+  safe = jnp.where(zero, 1.0, sf32)
+  return (1.0 / safe if recip is None else recip(safe)), zero
+
+
+def nvfp4_pack(even, odd, gs, r, zero):
+  """Bytes of e2m1 code pairs: value ``x`` becomes ``e2m1((x * gs) * r)`` (``r`` its group's
+  :func:`nvfp4_recip`), even-index values in the low nibble; 0 in groups whose scale is zero.
+  Arrays broadcast together; returns uint8."""
+  packed = (e2m1_encode((even * gs) * r) | (e2m1_encode((odd * gs) * r) << _U32(4)))
+  return jnp.where(zero, _U32(0), packed).astype(jnp.uint8)
 
 
 def quantize_nvfp4(x, global_scale):
@@ -327,10 +336,11 @@ def quantize_nvfp4(x, global_scale):
   """
   x = x.astype(jnp.float32)
   gs = 1.0 / jnp.asarray(1.0 if global_scale is None else global_scale, jnp.float32)
-  g = x.reshape(x.shape[:-1] + (x.shape[-1] // 16, 16))
-  sf = nvfp4_group_scale(jnp.max(jnp.abs(g), -1), gs)
-  code = nvfp4_codes(g, gs, sf.astype(jnp.float32)[..., None]).reshape(x.shape)
-  return code[..., 0::2] | (code[..., 1::2] << jnp.uint8(4)), sf
+  g = x.reshape(x.shape[:-1] + (x.shape[-1] // 16, 8, 2))
+  sf = nvfp4_group_scale(jnp.max(jnp.abs(g), (-2, -1)), gs)
+  r, zero = nvfp4_recip(sf.astype(jnp.float32)[..., None])
+  packed = nvfp4_pack(g[..., 0], g[..., 1], gs, r, zero)
+  return packed.reshape(x.shape[:-1] + (x.shape[-1] // 2,)), sf
 
 
 def dequantize_nvfp4(packed, sf, global_scale):

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import KVCacheSpec
+from kvjax import KVCacheSpec, token_major
 from kvjax import formats as F
 from kvjax import rotation
 from kvjax.reference import write_kv as reference_write_kv
@@ -175,3 +175,35 @@ def poisoned_ragged_batch(rng, spec, hq, q_lens=RAGGED_Q_LENS, ctx_lens=RAGGED_C
   q = jnp.asarray(rng.standard_normal((t, hq, spec.head_size)), spec.dtype)
   qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   return q, cache, jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt)
+
+
+def assert_written_as_reference(got, want, spec: KVCacheSpec, slots):
+  """``got`` == ``want`` (physical caches of the spec, numpy or JAX), bit for bit; where JAX
+  runs on a GPU, the quantized per-token-head rows of ``slots`` may differ by one
+  quantization step of the stored (rotated for int4) row: XLA's GPU compile of the reference
+  and the Triton kernel round ties of ``x * (1/s) (+ zp)`` differently in the last bit (fma
+  contraction). Every other row must still agree bit for bit."""
+  got, want = np.asarray(got), np.asarray(want)
+  if jax.default_backend() != "gpu" or not spec.codec.has_row_scales:
+    np.testing.assert_array_equal(got.reshape(-1).view(np.uint8),
+                                  want.reshape(-1).view(np.uint8))
+    return
+  slots = np.asarray(slots)
+  slots = slots[slots >= 0]
+  blk, off = slots // spec.block_size, slots % spec.block_size
+  written = np.zeros((got.shape[0], spec.block_size), bool)
+  written[blk, off] = True
+  rows_got = np.asarray(token_major(jnp.asarray(got), spec))          # [B, N, H, C]
+  rows_want = np.asarray(token_major(jnp.asarray(want), spec))
+  np.testing.assert_array_equal(rows_got[~written].view(np.uint8),
+                                rows_want[~written].view(np.uint8))
+  for a, b in zip(spec.codec.dequantize(jnp.asarray(got), spec),
+                  spec.codec.dequantize(jnp.asarray(want), spec)):
+    a, b = np.asarray(a)[blk, off], np.asarray(b)[blk, off]        # [T, H, D] stored rows
+    if spec.codec.quant == "int4":   # asymmetric: range / 15, and up to two steps: a zero
+      # point one off (contracted differently) shifts every code by one, and a code already
+      # at 15 stays clipped there
+      step = 2 * (b.max(-1, keepdims=True) - b.min(-1, keepdims=True)) / 15
+    else:                                                          # symmetric: amax / qmax
+      step = np.abs(b).max(-1, keepdims=True) / spec.codec.qmax
+    assert (np.abs(a - b) <= step * (1 + 1e-5) + 1e-6).all()

@@ -15,7 +15,8 @@ import pytest
 
 import kvjax
 from kvjax import KVCacheSpec, quant, registry
-from kv_testing import as_bytes, assert_roundtrip, poisoned_cache, random_kv
+from kv_testing import (as_bytes, assert_roundtrip, assert_written_as_reference, poisoned_cache,
+                        random_kv)
 from op_suite import exact_bytes, implementations, run_mode, toy_format  # noqa: F401
 from toy_format import TOY
 
@@ -135,10 +136,10 @@ def test_slots_outside_the_cache_write_nothing_under_jit(rng, impl, cache_dtype,
   slots = jnp.asarray(rng.permutation(np.concatenate([valid, bad])).astype(np.int32))
   key, value = random_kv(rng, spec, slots.shape[0])
   keep = (np.asarray(slots) >= 0) & (np.asarray(slots) < b * 16)
-  want = as_bytes(kvjax.reference.write_kv(cache, key[keep], value[keep], slots[keep], spec))
-  got = as_bytes(jax.jit(lambda c, k, v, s: kvjax.write_kv(
-      c, k, v, s, spec, impl=impl, interpret=interpret))(cache, key, value, slots))
-  np.testing.assert_array_equal(got, want)
+  want = kvjax.reference.write_kv(cache, key[keep], value[keep], slots[keep], spec)
+  got = jax.jit(lambda c, k, v, s: kvjax.write_kv(
+      c, k, v, s, spec, impl=impl, interpret=interpret))(cache, key, value, slots)
+  assert_written_as_reference(got, want, spec, slots[keep])
 
 
 # A NaN with a payload for every float storage dtype (bits).

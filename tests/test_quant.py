@@ -142,6 +142,39 @@ def test_e2m1_grid_and_ties():
                                 np.arange(8))
 
 
+def _e2m1_codes_numpy(y):
+  """Nearest e2m1 code of float32 ``y``, ties to the even code, |y| >= 6 (inf, NaN) -> 7,
+  the sign bit as bit 3: by distance to the grid, no bit tricks."""
+  with np.errstate(invalid="ignore"):                     # signalling NaN bit patterns
+    a = np.abs(y.astype(np.float64))
+  a = np.where(np.isnan(a), 6.0, np.minimum(a, 6.0))
+  dist = np.abs(a[..., None] - quant.E2M1_GRID.astype(np.float64))
+  best = dist.min(-1, keepdims=True)
+  ties = dist == best                                     # one or two nearest codes
+  idx = np.where(ties[..., ::2].any(-1), np.argmax(ties & (np.arange(8) % 2 == 0), -1),
+                 np.argmax(ties, -1))
+  return (idx | (np.signbit(y) << 3)).astype(np.uint32)
+
+
+def test_e2m1_encode_against_nearest_grid_point(rng):
+  """Every midpoint and grid point with its float32 neighbours (ties and one ulp off them),
+  random values over the range, and random bit patterns (subnormals, inf, NaN)."""
+  marks = np.concatenate([quant.E2M1_GRID, (quant.E2M1_GRID[1:] + quant.E2M1_GRID[:-1]) / 2,
+                          [6.5, 7.0, 1e30]]).astype(np.float32)
+  up, down = [marks], [marks]
+  for _ in range(3):
+    up.append(np.nextafter(up[-1], np.float32(np.inf)))
+    down.append(np.nextafter(down[-1], np.float32(-np.inf)))
+  vals = np.concatenate(up + down + [rng.uniform(-8, 8, 4096).astype(np.float32),
+                                     rng.integers(0, 2**32, 4096, dtype=np.uint64)
+                                     .astype(np.uint32).view(np.float32),
+                                     np.array([np.inf, -np.inf, np.nan, -np.nan, 1e-45, -0.0],
+                                              np.float32)])
+  vals = np.concatenate([vals, -vals])
+  np.testing.assert_array_equal(np.asarray(e2m1_encode(jnp.asarray(vals))),
+                                _e2m1_codes_numpy(vals))
+
+
 def _nvfp4_numpy(x, global_scale):
   gs = np.float32(1.0) / np.float32(global_scale)
   g = x.reshape(x.shape[:-1] + (-1, 16))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kv_testing import assert_written_as_reference  # noqa: F401 (the torch tests use it)
 from torch_bridge import layout as L
 
 CPU = jax.devices("cpu")[0]
@@ -69,35 +70,6 @@ def jax_bytes(a) -> np.ndarray:
   """Bytes of a JAX array read now. ``jnp.copy`` first: on a GPU ``np.asarray`` keeps a host
   copy of the array, which would hide later writes through torch."""
   return np.asarray(jnp.copy(a)).reshape(-1).view(np.uint8)
-
-
-def assert_written_as_reference(got, want, spec, slots):
-  """``got`` == ``want`` (physical caches as numpy / JAX arrays of the spec), bit for bit;
-  where JAX runs on a GPU, quantized per-token-head rows of ``slots`` may differ by one quantization step of
-  the stored (rotated for int4) row: XLA's GPU compile of the reference and the Triton kernel
-  round ties of ``x * (1/s) (+ zp)`` differently in the last bit (fma contraction), and every
-  other byte must still agree."""
-  got, want = np.asarray(got), np.asarray(want)
-  if jax.default_backend() != "gpu" or not spec.codec.has_row_scales:
-    np.testing.assert_array_equal(got.reshape(-1).view(np.uint8),
-                                  want.reshape(-1).view(np.uint8))
-    return
-  slots = np.asarray(slots)
-  slots = slots[slots >= 0]
-  blk, off = slots // spec.block_size, slots % spec.block_size
-  named = np.zeros(got.shape[0], bool)
-  named[blk] = True
-  np.testing.assert_array_equal(got[~named].view(np.uint8), want[~named].view(np.uint8))
-  for a, b in zip(spec.codec.dequantize(jnp.asarray(got), spec),
-                  spec.codec.dequantize(jnp.asarray(want), spec)):
-    a, b = np.asarray(a)[blk, off], np.asarray(b)[blk, off]        # [T, H, D] stored rows
-    if spec.codec.quant == "int4":   # asymmetric: range / 15, and up to two steps: a zero
-      # point one off (contracted differently) shifts every code by one, and a code already
-      # at 15 stays clipped there
-      step = 2 * (b.max(-1, keepdims=True) - b.min(-1, keepdims=True)) / 15
-    else:                                                          # symmetric: amax / qmax
-      step = np.abs(b).max(-1, keepdims=True) / spec.codec.qmax
-    assert (np.abs(a - b) <= step * (1 + 1e-5) + 1e-6).all()
 
 
 def poison(rng, t: torch.Tensor, spec):

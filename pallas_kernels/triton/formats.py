@@ -18,7 +18,9 @@ A hook object is static (frozen, hashable). Its in-kernel methods:
 - ``scores(q_parts, qsum, tiles, k_scale)`` -> float32 ``[Gp, T]`` of ``q . k``;
 - ``values(p, tiles, v_scale)`` -> float32 accumulator parts of ``p @ v``;
 - ``dequant(tiles, k_scale, v_scale)`` -> float32 (K parts, V parts) ``[T, part_width]``;
-- ``write_tokens(p, io, slot, head, valid)`` -> stores the rows of a program's tokens.
+- ``write_tokens(p, io, slot, head, valid)`` -> stores the rows of a program's tokens: loads
+  both sides (K, V), then encodes them, then stores (row formats through ``write_sources`` /
+  ``encode_side``), so a program waits on memory once.
 
 Split formats (``num_parts > 1``) handle q, accumulators and dequantized parts as
 ``num_parts`` parts, part ``j`` holding head dims ``num_parts * i + j`` (even / odd for two
@@ -329,19 +331,33 @@ class RowFormat(TileFormat):
     """Per-token-head one-byte formats store words: 4 codes a word, the scale one word."""
     return self.row_scaled and self.storage.itemsize == 1 and self.head_size % 4 == 0
 
-  def encode_side(self, p, div: Divider, io, side: int, head):
-    """Quantize one side of the kernel's rows -> [(column offset, cols, mask, values)]
-    (offsets and columns in the write table's units, values in its dtype)."""
-    if self.write_words:
-      return self._encode_words(div, io, side)
+  def write_sources(self, io, side: int, head) -> tuple:
+    """One side's loads (source rows, the tensor scale) for :meth:`encode_side`; the write
+    kernel issues both sides' before it encodes either."""
     d = self.head_size
-    col, col_ld, cmask = io.cols(next_pow2(d), d)
+    if self.write_words:
+      return (io.groups(side, next_pow2(d // 4), 4, d),)                   # [rows, w, 4]
+    _, col_ld, _ = io.cols(next_pow2(d), d)
     if not (self.tensor_scaled or self.row_scaled):
-      return [(0, col, cmask, io.rows(side, col_ld, self.storage))]
-    x = io.rows(side, col_ld)
+      return (io.rows(side, col_ld, self.storage),)
+    if self.tensor_scaled:
+      return (io.rows(side, col_ld), io.tensor_scale(side, head))
+    return (io.rows(side, col_ld),)
+
+  def encode_side(self, div: Divider, io, sources: tuple):
+    """Quantize one side of the kernel's rows (``sources``: its :meth:`write_sources`)
+    -> [(column offset, cols, mask, values)] (offsets and columns in the write table's
+    units, values in its dtype)."""
+    if self.write_words:
+      return self._encode_words(div, io, *sources)
+    d = self.head_size
+    col, _, cmask = io.cols(next_pow2(d), d)
+    if not (self.tensor_scaled or self.row_scaled):
+      return [(0, col, cmask, sources[0])]
+    x = sources[0]
     if self.tensor_scaled:
       m = quant.finite_max(self.storage)
-      y = jnp.clip(x * div.recip(io.tensor_scale(side, head))[:, None], -m, m)
+      y = jnp.clip(x * div.recip(sources[1])[:, None], -m, m)
       return [(0, col, cmask, y.astype(self.storage))]
     scale = quant.row_scale(jnp.max(jnp.abs(x), axis=1), self.codec.qmax)
     data = quant.quantize_scaled(x * div.recip(scale)[:, None], self.codec.quant, self.codec.qmax)
@@ -349,11 +365,11 @@ class RowFormat(TileFormat):
     return [(0, col, cmask, quant.from_bits(data, self.storage)),
             (self.data_dim, jnp.arange(4, dtype=_I32), None, sbytes)]
 
-  def _encode_words(self, div: Divider, io, side: int):
-    """:meth:`encode_side` as words: ``[D/4]`` words of 4 codes, then the scale's word."""
+  def _encode_words(self, div: Divider, io, x):
+    """:meth:`encode_side` as words: ``[D/4]`` words of 4 codes, then the scale's word
+    (``x``: the side's values ``[rows, w, 4]``)."""
     w = self.head_size // 4
     col, _, cmask = io.cols(next_pow2(w), w)
-    x = io.groups(side, col.shape[0], 4, self.head_size)              # [rows, w, 4]
     amax = jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1)
     scale = quant.row_scale(amax, self.codec.qmax)
     data = quant.quantize_scaled(x * div.recip(scale)[:, None, None], self.codec.quant,
@@ -367,9 +383,14 @@ class RowFormat(TileFormat):
     div = Divider(p.compiled)
     row = jnp.where(valid, self.addr.row_of_slot(slot, head), p.num_rows)  # OOB when skipped
     dtype = jnp.uint32 if self.write_words else self.storage
-    for side in range(2):
+    # both sides loaded, then encoded, then stored: a store (or a barrier of a cross-warp
+    # reduction or layout change) between them would keep V's loads behind K's work, two
+    # memory round trips a program instead of one
+    sources = [self.write_sources(io, side, head) for side in range(2)]
+    encoded = [self.encode_side(div, io, src) for src in sources]
+    for side, segments in enumerate(encoded):
       base = self.write_offset(side * self.v_offset)
-      for off, col, cmask, val in self.encode_side(p, div, io, side, head):
+      for off, col, cmask, val in segments:
         io.store_rows(row, base + off + col, val.astype(dtype), valid, cmask)
 
 
@@ -493,9 +514,14 @@ class Int4Format(RowFormat):
     """Words of 8 codes (D a multiple of 8), the packed scale one word."""
     return self.head_size % 8 == 0
 
-  def _encode_words(self, div: Divider, io, side: int):
-    w = self.head_size // 8                     # a power of two: D is one
-    x = io.groups(side, w, 8, self.head_size)   # [rows, w, 8]
+  def write_sources(self, io, side: int, head) -> tuple:
+    d = self.head_size
+    if self.write_words:
+      return (io.groups(side, d // 8, 8, d),)          # [rows, w, 8]; D/8 a power of two
+    return io.pairs(side, next_pow2(self.data_dim), d)  # even, odd [rows, D/2 padded]
+
+  def _encode_words(self, div: Divider, io, x):
+    w = self.head_size // 8
     lo = jnp.min(jnp.min(x, axis=2), axis=1)
     hi = jnp.max(jnp.max(x, axis=2), axis=1)
     scale = quant.int4_scale(lo, hi)
@@ -506,13 +532,12 @@ class Int4Format(RowFormat):
     return [(0, jnp.arange(w, dtype=_I32), None, pack_words(codes, 4)),
             (w, jnp.arange(1, dtype=_I32), None, packed[:, None])]
 
-  def encode_side(self, p, div: Divider, io, side: int, head):
+  def encode_side(self, div: Divider, io, sources: tuple):
     if self.write_words:
-      return self._encode_words(div, io, side)
+      return self._encode_words(div, io, *sources)
     dh = self.data_dim                          # D/2 packed bytes
-    dhp = next_pow2(dh)
-    jcol, _, jmask = io.cols(dhp, dh)
-    xe, xo = io.pairs(side, dhp, self.head_size)
+    jcol, _, jmask = io.cols(next_pow2(dh), dh)
+    xe, xo = sources
     lo = jnp.min(jnp.minimum(xe, xo), axis=1)     # one reduction each, not two
     hi = jnp.max(jnp.maximum(xe, xo), axis=1)
     scale = quant.int4_scale(lo, hi)
@@ -652,22 +677,19 @@ class Nvfp4Format(TileFormat):
     dmask = jnp.broadcast_to(smask[:, :, None], shape3)
     div = Divider(p.compiled)
     data_row = self.addr.offset(off, head)            # (head, token) data row inside a side
-    for side in range(2):
-      out_row = jnp.where(valid, 2 * blk + side, p.num_rows)
-      gs = io.tensor_scale(side, head)                                        # (rows,)
-      xe, xo = (x.reshape(shape3) for x in io.pairs(side, sp * 8, self.head_size))
+    data_col = data_row[:, None, None] + g[None, :, None] * 8 + k8[None, None, :]
+    # both sides loaded, then encoded, then stored (as RowFormat.write_tokens)
+    sources = [(io.tensor_scale(side, head),                                   # (rows,)
+                *(x.reshape(shape3) for x in io.pairs(side, sp * 8, self.head_size)))
+               for side in range(2)]
+    encoded = []
+    for gs, xe, xo in sources:
       amax = jnp.maximum(jnp.max(jnp.abs(xe), axis=2), jnp.max(jnp.abs(xo), axis=2))
       sf = quant.nvfp4_group_scale(amax, gs[:, None])
-      sf32 = sf.astype(jnp.float32)[:, :, None]
-      zero = sf32 == 0.0
-      r = div.recip(jnp.where(zero, 1.0, sf32))
-      gs3 = gs[:, None, None]
-
-      def code(v):
-        return quant.e2m1_encode(jnp.where(zero, 0.0, (v * gs3) * r))
-
-      packed = code(xe) | (code(xo) << jnp.uint8(4))
-      data_col = data_row[:, None, None] + g[None, :, None] * 8 + k8[None, None, :]
+      r, zero = quant.nvfp4_recip(sf.astype(jnp.float32)[:, :, None], div.recip)
+      encoded.append((quant.nvfp4_pack(xe, xo, gs[:, None, None], r, zero), sf))
+    for side, (packed, sf) in enumerate(encoded):
+      out_row = jnp.where(valid, 2 * blk + side, p.num_rows)
       io.store(jnp.broadcast_to(out_row[:, None, None], shape3),
                jnp.broadcast_to(data_col, shape3), packed, dmask)
       scale_col = lay.scale_offset(side, off[:, None], head[:, None], g[None, :])
