@@ -573,6 +573,7 @@ _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P[T\d]+)\s+)?([A-Z][A-
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _LINE = re.compile(r'//## File "([^"]*)", line (\d+)')
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+_FUNCTION = re.compile(r"^(\$\S+):$")      # a called function's entry (e.g. a division's slow path)
 
 
 @dataclasses.dataclass
@@ -581,20 +582,24 @@ class Instr:
   opcode: str        # with modifiers, e.g. LDG.E.128
   operands: str
   line: int | None   # source line id (pseudo file of renumber_locations), None if unknown
+  called: bool = False   # in a function the kernel calls (placed after its body), not the body
 
 
 def parse_sass(sass: str):
   """(instructions, label -> address) of one kernel's ``nvdisasm -c -g`` text."""
-  instrs, labels, pending, line = [], {}, [], None
+  instrs, labels, pending, line, called = [], {}, [], None, False
   for raw in sass.splitlines():
     if (m := _LINE.search(raw)):
       line = int(m.group(2)) if m.group(1) == LINE_FILE else None
+      continue
+    if _FUNCTION.match(raw.strip()):
+      called = True
       continue
     if (m := _LABEL.match(raw.strip())):
       pending.append(m.group(1))
       continue
     if (m := _INSTR.match(raw)):
-      ins = Instr(int(m.group(1), 16), m.group(3), m.group(4).strip(), line)
+      ins = Instr(int(m.group(1), 16), m.group(3), m.group(4).strip(), line, called)
       for lab in pending:
         labels[lab] = ins.addr
       pending = []
@@ -726,12 +731,12 @@ def analyze(k: TritonKernelIR, work: str, a) -> Analysis:
     main = max(range(len(loops)),
                key=lambda j: (loops[j][2].by_group["MMA"], loops[j][2].total))
   by_line = []
-  if table is not None:   # the main loop's lines; a kernel without loops: all of it
+  if table is not None:   # the main loop's lines; a kernel without loops: all of its body
     start, end = (loops[main][:2] if main is not None else
                   (min(i.addr for i in instrs), max(i.addr for i in instrs)))
     per = collections.defaultdict(list)
     for i in instrs:
-      if start <= i.addr <= end:
+      if start <= i.addr <= end and not i.called:
         per[i.line if i.line is not None else 0].append(i)
     for lid, ins in per.items():
       by_line.append((table.get(lid, ()), len(ins), Mix.of(ins)))
@@ -772,6 +777,10 @@ def print_report(call: KernelCall, an: Analysis, top: int, by_line: bool):
   print(f"   occupancy estimate: {ctas} CTAs ({ctas * k.num_warps} warps) per SM, limited by "
         f"{limiter}")
   m = an.mix
+  called = sum(i.called for i in parse_sass(an.sass)[0])
+  if called:
+    print(f"   {called} of the instructions below are in functions the kernel calls (e.g. a "
+          f"division's slow path), not counted by line")
   print(f"   whole kernel: {m.total} instructions; LDG {_fmt_widths(m.loads_by_width())}; "
         f"LDGSTS {_fmt_widths(m.loads_by_width('LDGSTS'))}; STG "
         f"{_fmt_widths(m.loads_by_width('STG'))}")

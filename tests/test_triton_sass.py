@@ -80,6 +80,21 @@ def test_sass_loops_and_mix():
   assert TS.Mix.of(instrs).loads_by_width() == {128: 1, 8: 1}
 
 
+def test_called_functions_are_told_apart_from_the_body():
+  """A function the kernel calls (here a division's slow path) comes after the body's EXIT
+  under a ``$name:`` label: its instructions are marked, the body's are not."""
+  sass = SASS.replace("        /*0070*/                   EXIT ;\n", """\
+        /*0070*/                   EXIT ;
+        .type           $__internal_0_$__cuda_sm3x_div_rn_noftz_f32_slowpath,@function
+$__internal_0_$__cuda_sm3x_div_rn_noftz_f32_slowpath:
+        /*0074*/                   SHF.R.U32.HI R27, RZ, 0x17, R3 ;
+        /*0078*/                   RET.REL.NODEC R28 `(write_kv) ;
+""")
+  instrs, _ = TS.parse_sass(sass)
+  assert [i.addr for i in instrs if i.called] == [0x74, 0x78, 0x80]
+  assert not any(i.called for i in instrs if i.addr <= 0x70)
+
+
 def test_occupancy_estimate():
   assert TS.occupancy(167, 22784, 4) == (3, "registers")       # 168 x 32 -> 5376 a warp
   assert TS.occupancy(64, 100000, 4) == (2, "shared memory")
