@@ -207,3 +207,18 @@ def assert_written_as_reference(got, want, spec: KVCacheSpec, slots):
     else:                                                          # symmetric: amax / qmax
       step = np.abs(b).max(-1, keepdims=True) / spec.codec.qmax
     assert (np.abs(a - b) <= step * (1 + 1e-5) + 1e-6).all()
+
+
+def nonfinite_spread(cache_dtype: str, head_size: int, col: int):
+  """docs/edges.md's contract: (the elements of a (token, head) row that read back non-finite
+  after a NaN at column ``col``, those after a +Inf there)."""
+  element, row = {col}, set(range(head_size))
+  group = set(range(col // 16 * 16, col // 16 * 16 + 16))
+  return {
+      "auto": (element, element), "float16": (element, element), "float32": (element, element),
+      "fp8": (element, set()),                 # Inf saturates to 448 * k_scale
+      "fp8_e5m2": (element, set()),            # Inf saturates to 57344 * k_scale
+      "int8_per_token_head": (row, row), "fp8_per_token_head": (row, row),
+      "int4_per_token_head": (row, row),
+      "nvfp4": (group, set()),                 # Inf: the group's scale saturates, stays finite
+  }[cache_dtype]

@@ -526,41 +526,6 @@ def test_read_kv_under_jit_reads_nan_for_invalid_slots(rng):
     np.testing.assert_array_equal(got[[0, 4]], np.asarray(ok))
 
 
-# which elements of a (token, head) row read back non-finite after one NaN / Inf at column 3
-_ELEMENT = {3}
-_ROW = set(range(D))
-_GROUP = set(range(16))
-PROPAGATION = {   # cache_dtype: (NaN spreads to, +Inf spreads to)
-    "auto": (_ELEMENT, _ELEMENT),
-    "float16": (_ELEMENT, _ELEMENT),
-    "fp8": (_ELEMENT, set()),                 # Inf saturates to 448 * k_scale
-    "fp8_e5m2": (_ELEMENT, set()),            # Inf saturates to 57344 * k_scale
-    "int8_per_token_head": (_ROW, _ROW),
-    "fp8_per_token_head": (_ROW, _ROW),
-    "int4_per_token_head": (_ROW, _ROW),
-    "nvfp4": (_GROUP, set()),                 # Inf: the group's scale saturates, stays finite
-}
-
-
-@pytest.mark.parametrize("cache_dtype", sorted(PROPAGATION))
-def test_nan_and_inf_propagation_per_format(rng, cache_dtype):
-  spec = _spec(cache_dtype, dtype=jnp.float32)
-  nan_to, inf_to = PROPAGATION[cache_dtype]
-  x = rng.standard_normal((T, H, D)).astype(np.float32)
-  x[0, 0, 3], x[1, 1, 3] = np.nan, np.inf
-  ks = jnp.float32(1.0) if spec.format.has_tensor_scales else None
-  slots = _slots(5, 6)
-  cache = _jit_write(spec, "reference")(spec.allocate(B), jnp.asarray(x), jnp.asarray(x),
-                                        jnp.asarray(slots), ks)
-  k = np.asarray(_jit_read(spec)(cache, jnp.asarray(slots[:2]), ks)[0])
-  bad = ~np.isfinite(k)
-  assert set(np.flatnonzero(bad[0, 0])) == nan_to
-  assert set(np.flatnonzero(bad[1, 1])) == inf_to
-  assert not bad[0, 1].any() and not bad[1, 0].any()     # the other head of each token is intact
-  if cache_dtype in ("fp8", "fp8_e5m2"):
-    assert k[1, 1, 3] == float(jnp.finfo(spec.storage_dtype).max)
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_nvfp4_small_data_needs_a_global_scale(rng, impl):
   """With k_scale = 1, a 16-element group whose amax is below ~0.006 stores all zeros; a

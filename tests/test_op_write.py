@@ -15,8 +15,8 @@ import pytest
 
 import kvjax
 from kvjax import KVCacheSpec, quant, registry
-from kv_testing import (as_bytes, assert_roundtrip, assert_written_as_reference, poisoned_cache,
-                        random_kv)
+from kv_testing import (as_bytes, assert_roundtrip, assert_written_as_reference,
+                        nonfinite_spread, poisoned_cache, random_kv)
 from op_suite import exact_bytes, implementations, run_mode, toy_format  # noqa: F401
 from toy_format import TOY
 
@@ -140,6 +140,37 @@ def test_slots_outside_the_cache_write_nothing_under_jit(rng, impl, cache_dtype,
   got = jax.jit(lambda c, k, v, s: kvjax.write_kv(
       c, k, v, s, spec, impl=impl, interpret=interpret))(cache, key, value, slots)
   assert_written_as_reference(got, want, spec, slots[keep])
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "float16", "fp8", "fp8_e5m2",
+                                         "int8_per_token_head", "fp8_per_token_head",
+                                         "int4_per_token_head", "nvfp4"])
+@pytest.mark.parametrize("impl", implementations("write"))
+def test_nan_and_inf_spread_as_far_as_the_scale(rng, impl, cache_dtype):
+  """One NaN and one +Inf in K (different tokens and heads): what reads back non-finite is the
+  element, the (token, head) row or the 16-value group docs/edges.md names, on every
+  implementation; the other head of each token stays finite."""
+  h, d, t = 2, 64, 4
+  spec = KVCacheSpec(h, d, 16, cache_dtype, "HND" if cache_dtype == "nvfp4" else "NHD",
+                     jnp.float32)
+  interpret = run_mode("write", impl, spec)
+  x = rng.standard_normal((t, h, d)).astype(np.float32)
+  col = 19
+  x[0, 0, col], x[1, 1, col] = np.nan, np.inf
+  ks = jnp.float32(1.0) if spec.codec.has_tensor_scales else None
+  slots = jnp.asarray(rng.choice(NUM_BLOCKS * 16, t, replace=False).astype(np.int32))
+  cache = jax.jit(lambda c, k, s: kvjax.write_kv(c, k, k, s, spec, k_scale=ks, v_scale=ks,
+                                                 impl=impl, interpret=interpret))(
+      spec.allocate(NUM_BLOCKS), jnp.asarray(x), slots)
+  k = np.asarray(kvjax.read_kv(cache, spec, slots, k_scale=ks, v_scale=ks,
+                               impl="reference")[0])
+  bad = ~np.isfinite(k)
+  nan_to, inf_to = nonfinite_spread(cache_dtype, d, col)
+  assert set(np.flatnonzero(bad[0, 0])) == nan_to
+  assert set(np.flatnonzero(bad[1, 1])) == inf_to
+  assert not bad[0, 1].any() and not bad[1, 0].any() and not bad[2:].any()
+  if cache_dtype in ("fp8", "fp8_e5m2"):
+    assert k[1, 1, col] == float(jnp.finfo(spec.storage_dtype).max)
 
 
 # A NaN with a payload for every float storage dtype (bits).
