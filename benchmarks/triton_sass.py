@@ -700,6 +700,7 @@ class Analysis:
   loops: list                # [(start, end, Mix)]
   main_loop: int | None      # index into loops
   by_line: list              # [(call chain, count, Mix)] of the main loop, most first
+  called: int                # instructions in functions the kernel calls (not its body)
 
 
 def analyze(k: TritonKernelIR, work: str, a) -> Analysis:
@@ -741,7 +742,8 @@ def analyze(k: TritonKernelIR, work: str, a) -> Analysis:
     for lid, ins in per.items():
       by_line.append((table.get(lid, ()), len(ins), Mix.of(ins)))
     by_line.sort(key=lambda r: -r[1])
-  return Analysis(k, compiled, rep, sass, Mix.of(instrs), loops, main, by_line)
+  return Analysis(k, compiled, rep, sass, Mix.of(instrs), loops, main, by_line,
+                  sum(i.called for i in instrs))
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -777,9 +779,8 @@ def print_report(call: KernelCall, an: Analysis, top: int, by_line: bool):
   print(f"   occupancy estimate: {ctas} CTAs ({ctas * k.num_warps} warps) per SM, limited by "
         f"{limiter}")
   m = an.mix
-  called = sum(i.called for i in parse_sass(an.sass)[0])
-  if called:
-    print(f"   {called} of the instructions below are in functions the kernel calls (e.g. a "
+  if an.called:
+    print(f"   {an.called} of the instructions below are in functions the kernel calls (e.g. a "
           f"division's slow path), not counted by line")
   print(f"   whole kernel: {m.total} instructions; LDG {_fmt_widths(m.loads_by_width())}; "
         f"LDGSTS {_fmt_widths(m.loads_by_width('LDGSTS'))}; STG "
