@@ -52,6 +52,38 @@ def round_clip_unsigned(v, hi: float, dtype=None, to_uint=None):
   return to_uint(jnp.minimum(v + 0.5, hi)).astype(dtype)
 
 
+def clamp(v, lo: float, hi: float):
+  """``v`` clipped to ``[lo, hi]`` with NaN kept NaN, as XLA's clamp: two selects.
+
+  Not ``jnp.clip``: the Pallas Triton lowering turns float ``max`` / ``min`` into the
+  NaN-dropping ``max.f32`` / ``min.f32`` of PTX, so a clipped NaN would become ``lo`` on a GPU
+  and ``NaN`` on a CPU (docs/edges.md: a NaN stays NaN)."""
+  return jnp.where(v < lo, lo, jnp.where(v > hi, hi, v))
+
+
+def at_least(v, lo: float):
+  """``max(v, lo)`` with NaN kept NaN on every backend (see :func:`clamp`)."""
+  return jnp.where(v < lo, lo, v)
+
+
+def abs_max(*xs, axis, keepdims: bool = False):
+  """Largest magnitude of the arrays ``xs`` (one shape) along ``axis`` (an int or a tuple,
+  reduced last axis first), float32; NaN wherever a reduced element is NaN.
+
+  Taken as an integer maximum of the bits of ``|x|`` (int32: for non-negative floats the
+  integer order is the float order, and every NaN lies above +Inf), the same number as
+  ``max(|x|)`` on finite data, on every backend: a float maximum would drop NaN in Pallas
+  Triton kernels (see :func:`clamp`)."""
+  m = None
+  for x in xs:
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & jnp.int32(0x7FFFFFFF)
+    m = bits if m is None else jnp.maximum(m, bits)
+  axes = (axis,) if isinstance(axis, int) else tuple(axis)
+  for ax in sorted((a % m.ndim for a in axes), reverse=True):
+    m = jnp.max(m, axis=ax, keepdims=keepdims)
+  return jax.lax.bitcast_convert_type(m, jnp.float32)
+
+
 def finite_max(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
@@ -103,11 +135,23 @@ def per_head_scale(scale, num_heads: int):
 
 
 # -- fp8 per tensor --------------------------------------------------------------------------
+def to_fp8(v, fp8_dtype, cast_saturates: bool = False):
+  """float32 ``v`` -> ``fp8_dtype``, saturated at +-its largest finite value, NaN kept NaN.
+
+  ``cast_saturates``: the conversion does both itself, so the clamp is left out (same bits):
+  PTX's only float32 -> fp8 conversion is ``cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32``, what
+  compiled Triton kernels emit. XLA's conversion does not saturate (448.5+ becomes NaN in
+  e4m3fn), so the reference and interpret mode clamp."""
+  if not cast_saturates:
+    m = finite_max(fp8_dtype)
+    v = clamp(v, -m, m)
+  return v.astype(fp8_dtype)
+
+
 def quantize_fp8_per_tensor(x, scale, fp8_dtype):
   """``x [..., H, D]`` -> fp8 ``x / scale`` (scale: None, scalar or ``[H]``), saturated."""
-  m = finite_max(fp8_dtype)
   inv = 1.0 / per_head_scales(scale, x.shape[-2])[:, None]
-  return jnp.clip(x.astype(jnp.float32) * inv, -m, m).astype(fp8_dtype)
+  return to_fp8(x.astype(jnp.float32) * inv, fp8_dtype)
 
 
 def dequantize_fp8_per_tensor(q, scale):
@@ -116,16 +160,27 @@ def dequantize_fp8_per_tensor(q, scale):
 
 # -- per token-head: int8 / fp8 ------------------------------------------------------------------
 def row_scale(amax, qmax: float):
-  """Per-token-head scale ``max(amax / QMAX, eps)`` of a row with largest magnitude ``amax``."""
-  return jnp.maximum(div_const(amax, qmax), SCALE_EPS)
+  """Per-token-head scale ``max(amax / QMAX, eps)`` of a row with largest magnitude ``amax``
+  (NaN for a NaN ``amax``: the whole row then reads NaN)."""
+  return at_least(div_const(amax, qmax), SCALE_EPS)
 
 
-def quantize_scaled(y, quant, qmax: float):
-  """Values already divided by their scale -> quantized (int8: round half away from zero and
-  clamp to [-128, 127]; fp8: clamp to +-QMAX and cast)."""
+def quantize_scaled(y, quant, qmax: float, cast_saturates: bool = False):
+  """Values already divided by their row scale -> quantized (int8: round half away from zero
+  and clamp to [-128, 127]; fp8: clamp to +-QMAX, its largest finite value, and cast).
+
+  Divided by ``amax / QMAX``, a finite row has ``|y| <= QMAX * (1 + 2**-21)``: the clamps
+  never change a finite value's code, they only pin NaN rows (whose scale is NaN, so they
+  read NaN whatever the codes). ``cast_saturates``: as :func:`to_fp8`; for int8 PTX's
+  float -> integer conversions saturate too, so compiled kernels convert directly.
+  int8 clamps as integers (no float min / max, see :func:`clamp`)."""
   if np.dtype(quant) == np.dtype(np.int8):
-    return jnp.clip(round_half_away_from_zero(y), -128.0, 127.0).astype(jnp.int8)
-  return jnp.clip(y, -qmax, qmax).astype(quant)
+    r = round_half_away_from_zero(y)
+    if cast_saturates:
+      return r.astype(jnp.int8)
+    return jnp.clip(r.astype(jnp.int32), -128, 127).astype(jnp.int8)
+  assert qmax == finite_max(quant), (quant, qmax)
+  return to_fp8(y, quant, cast_saturates)
 
 
 def quantize_per_token_head(x, fmt):
@@ -133,7 +188,7 @@ def quantize_per_token_head(x, fmt):
   dtype, scale float32 ``[...]``). ``fmt``: a format (or codec) with ``quant``, ``qmax`` and
   ``storage``. (int4: :func:`quantize_int4`.)"""
   x = x.astype(jnp.float32)
-  scale = row_scale(jnp.max(jnp.abs(x), -1), fmt.qmax)
+  scale = row_scale(abs_max(x, axis=-1), fmt.qmax)
   q = quantize_scaled(x * (1.0 / scale)[..., None], fmt.quant, fmt.qmax)
   return from_bits(q, fmt.storage), scale
 
@@ -149,9 +204,11 @@ def int4_scale(lo, hi):
 
   ``/ 15`` is ``* f32(1/15)`` (:func:`div_const`), as XLA computes it under jit and as
   Triton's ``div.full.f32`` computes vLLM's ``(max - min) / 15.0`` on the GPU. ``max - min``
-  overflows when the (rotated) row's extremes pass +-1.7e38 (docs/edges.md).
+  overflows when the (rotated) row's extremes pass +-1.7e38 (docs/edges.md). A NaN
+  anywhere in a row makes every rotated value NaN, so ``lo`` and ``hi`` are NaN even where a
+  kernel's minimum / maximum drops NaN, and the scale is NaN (:func:`at_least`).
   """
-  return jnp.maximum(div_const(hi - lo, 15.0), SCALE_EPS)
+  return at_least(div_const(hi - lo, 15.0), SCALE_EPS)
 
 
 def int4_zero_point(lo, inv_scale):
@@ -268,7 +325,7 @@ def e2m1_pair_to_f16(packed):
 def to_f16_saturating(x):
   """Any float -> float16, clamped to float16's finite range (a bfloat16 query beyond it
   would otherwise become inf)."""
-  return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+  return clamp(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
 
 
 # -- nvfp4 -------------------------------------------------------------------------------------
@@ -308,8 +365,11 @@ def e2m1_decode(code):
 
 
 def nvfp4_group_scale(amax, gs):
-  """e4m3 scale of a 16-value group: ``e4m3(gs * amax / 6)`` (``gs = 1 / global scale``)."""
-  return jnp.clip(div_const(gs * amax, 6.0), 0, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  """e4m3 scale of a 16-value group: ``e4m3(gs * amax / 6)`` (``gs = 1 / global scale``),
+  saturated at 448 (an Inf in the group), NaN for a NaN ``amax`` (the group reads NaN).
+  ``gs * amax >= 0``, so no lower clip."""
+  v = div_const(gs * amax, 6.0)
+  return jnp.where(v > E4M3_MAX, E4M3_MAX, v).astype(jnp.float8_e4m3fn)
 
 
 def nvfp4_recip(sf32, recip=None):
@@ -337,7 +397,7 @@ def quantize_nvfp4(x, global_scale):
   x = x.astype(jnp.float32)
   gs = 1.0 / jnp.asarray(1.0 if global_scale is None else global_scale, jnp.float32)
   g = x.reshape(x.shape[:-1] + (x.shape[-1] // 16, 8, 2))
-  sf = nvfp4_group_scale(jnp.max(jnp.abs(g), (-2, -1)), gs)
+  sf = nvfp4_group_scale(abs_max(g, axis=(-2, -1)), gs)
   r, zero = nvfp4_recip(sf.astype(jnp.float32)[..., None])
   packed = nvfp4_pack(g[..., 0], g[..., 1], gs, r, zero)
   return packed.reshape(x.shape[:-1] + (x.shape[-1] // 2,)), sf

@@ -245,3 +245,24 @@ def test_nvfp4_flushes_tiny_groups_without_a_global_scale():
   packed, sf = quantize_nvfp4(jnp.asarray(x), 0.001)
   back = np.asarray(dequantize_nvfp4(packed, sf, 0.001))
   assert np.all(np.abs(back - x) <= np.abs(x).max(-1, keepdims=True) * 0.25 + 1e-9)
+
+
+def test_abs_max_clamp_and_at_least_keep_nan(rng):
+  """The NaN-keeping forms every writer shares: the same numbers as numpy's max / clip on
+  finite data, NaN wherever numpy's NaN-propagating forms give NaN."""
+  x = rng.standard_normal((6, 4, 8)).astype(np.float32) * 100
+  x[0, 1, 3], x[1, 2, 5], x[2, 0, 0], x[3, 3, 7] = np.nan, np.inf, -np.inf, -0.0
+  x[4, 1, 1] = -np.float32(np.nan)                       # a NaN with its sign bit set
+  y = -np.abs(rng.standard_normal((6, 4, 8)).astype(np.float32))
+  for axis in (-1, 2, (1, 2), (0, 2)):
+    want = np.max(np.maximum(np.abs(x), np.abs(y)), axis=axis)
+    got = np.asarray(quant.abs_max(jnp.asarray(x), jnp.asarray(y), axis=axis))
+    np.testing.assert_array_equal(got, want, err_msg=str(axis))
+    assert np.isnan(got).sum() > 0
+  got = np.asarray(quant.abs_max(jnp.asarray(x), axis=-1, keepdims=True))
+  np.testing.assert_array_equal(got, np.max(np.abs(x), axis=-1, keepdims=True))
+  v = np.array([np.nan, -np.inf, -500, -448, -1.5, -0.0, 0.0, 3, 448, 449, np.inf], np.float32)
+  np.testing.assert_array_equal(np.asarray(quant.clamp(jnp.asarray(v), -448.0, 448.0)),
+                                np.clip(v, -448, 448))
+  np.testing.assert_array_equal(np.asarray(quant.at_least(jnp.asarray(v), 1e-6)),
+                                np.maximum(v, np.float32(1e-6)))

@@ -141,3 +141,35 @@ def test_kernels_lower_to_triton_for_cuda(cache_dtype, layout, head_size):
   deq = jax.jit(lambda p: dq.dequantize_pages(p, spec))
   text = export.export(deq, platforms=["cuda"], disabled_checks=allow)(c)
   assert "xla.gpu.triton" in text.mlir_module()
+
+
+@pytest.mark.parametrize("cache_dtype,layout,head_size", [
+    ("fp8", "NHD", 64), ("fp8_e5m2", "HND", 64), ("int8_per_token_head", "NHD", 64),
+    ("fp8_per_token_head", "HND", 80), ("nvfp4", "HND", 64)])
+def test_writers_use_no_nan_dropping_float_min_or_max(cache_dtype, layout, head_size):
+  """The Pallas Triton lowering turns a float ``max`` / ``min`` into ``arith.maxnumf`` /
+  ``minnumf``, which drop NaN on the GPU (interpret mode on CPU keeps it, so the NaN / Inf
+  contract test of test_op_write.py cannot see this here). The write kernels' Triton IR,
+  lowered for CUDA without a GPU, has none: their amax, scale floors and clips keep NaN.
+
+  (int4 keeps its float row min / max: its rows arrive Hadamard-rotated, and one NaN makes
+  every rotated value NaN, so they stay NaN; :func:`kvjax.quant.int4_scale`.)"""
+  import importlib.util
+  import os
+  import sys
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "triton_sass.py")
+  if "triton_sass" not in sys.modules:
+    mod_spec = importlib.util.spec_from_file_location("triton_sass", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules["triton_sass"] = module
+    mod_spec.loader.exec_module(module)
+  ts = sys.modules["triton_sass"]
+  spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)
+  c = jax.ShapeDtypeStruct(spec.physical_shape(8), spec.storage_dtype)
+  kv = jax.ShapeDtypeStruct((12, 2, head_size), spec.dtype)
+  ks = 0.5 if spec.format.has_tensor_scales else None
+  (kernel,) = ts.triton_kernels(
+      lambda c, k, v, s: cu.write_kv(c, k, v, s, spec, k_scale=ks, v_scale=ks), c, kv, kv,
+      jax.ShapeDtypeStruct((12,), jnp.int32))
+  for op in ("arith.maxnumf", "arith.minnumf"):
+    assert op not in kernel.text_plain, f"{cache_dtype} {layout}: {op} in the write kernel"

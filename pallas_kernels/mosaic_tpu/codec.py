@@ -87,15 +87,13 @@ class RowCodec:
     if self.kind == F.PLAIN:
       return x.astype(self.storage), None
     if self.kind == F.FP8_PER_TENSOR:
-      m = float(jnp.finfo(self.storage).max)
-      return jnp.clip(x * recip, -m, m).astype(self.storage), None
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.maximum(amax * (np.float32(1.0) / np.float32(self.qmax)), quant.SCALE_EPS)
+      return quant.to_fp8(x * recip, self.storage), None
+    scale = quant.row_scale(quant.abs_max(x, axis=-1, keepdims=True), self.qmax)
     y = x * (1.0 / scale)
     if self.quant == np.dtype(np.int8):
       data = jnp.clip(M.round_half_away(y), -128, 127).astype(jnp.int32).astype(jnp.int8)
     else:
-      q = jnp.clip(y, -self.qmax, self.qmax).astype(self.quant)
+      q = quant.to_fp8(y, self.quant)
       data = jax.lax.bitcast_convert_type(q, jnp.uint8)
     return data, self._scale_bytes(scale)
 

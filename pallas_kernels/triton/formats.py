@@ -356,11 +356,11 @@ class RowFormat(TileFormat):
       return [(0, col, cmask, sources[0])]
     x = sources[0]
     if self.tensor_scaled:
-      m = quant.finite_max(self.storage)
-      y = jnp.clip(x * div.recip(sources[1])[:, None], -m, m)
-      return [(0, col, cmask, y.astype(self.storage))]
-    scale = quant.row_scale(jnp.max(jnp.abs(x), axis=1), self.codec.qmax)
-    data = quant.quantize_scaled(x * div.recip(scale)[:, None], self.codec.quant, self.codec.qmax)
+      y = quant.to_fp8(x * div.recip(sources[1])[:, None], self.storage, div.compiled)
+      return [(0, col, cmask, y)]
+    scale = quant.row_scale(quant.abs_max(x, axis=1), self.codec.qmax)
+    data = quant.quantize_scaled(x * div.recip(scale)[:, None], self.codec.quant, self.codec.qmax,
+                                 div.compiled)
     sbytes = quant.from_bits(f32_to_bytes(scale), self.storage)
     return [(0, col, cmask, quant.from_bits(data, self.storage)),
             (self.data_dim, jnp.arange(4, dtype=_I32), None, sbytes)]
@@ -370,10 +370,9 @@ class RowFormat(TileFormat):
     (``x``: the side's values ``[rows, w, 4]``)."""
     w = self.head_size // 4
     col, _, cmask = io.cols(next_pow2(w), w)
-    amax = jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1)
-    scale = quant.row_scale(amax, self.codec.qmax)
+    scale = quant.row_scale(quant.abs_max(x, axis=(1, 2)), self.codec.qmax)
     data = quant.quantize_scaled(x * div.recip(scale)[:, None, None], self.codec.quant,
-                                 self.codec.qmax)
+                                 self.codec.qmax, div.compiled)
     words = pack_words(quant.to_bits(quant.from_bits(data, self.storage)), 8)
     return [(0, col, cmask, words),
             (w, jnp.arange(1, dtype=_I32), None, quant.to_bits(scale)[:, None])]
@@ -684,8 +683,7 @@ class Nvfp4Format(TileFormat):
                for side in range(2)]
     encoded = []
     for gs, xe, xo in sources:
-      amax = jnp.maximum(jnp.max(jnp.abs(xe), axis=2), jnp.max(jnp.abs(xo), axis=2))
-      sf = quant.nvfp4_group_scale(amax, gs[:, None])
+      sf = quant.nvfp4_group_scale(quant.abs_max(xe, xo, axis=2), gs[:, None])
       r, zero = quant.nvfp4_recip(sf.astype(jnp.float32)[:, :, None], div.recip)
       encoded.append((quant.nvfp4_pack(xe, xo, gs[:, None, None], r, zero), sf))
     for side, (packed, sf) in enumerate(encoded):
