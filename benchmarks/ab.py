@@ -70,8 +70,12 @@ def check_imports(tree: str):
   probe = ("import os, kvjax, pallas_kernels; "
            "print(os.path.dirname(os.path.dirname(os.path.abspath(kvjax.__file__))), "
            "os.path.dirname(os.path.dirname(os.path.abspath(pallas_kernels.__file__))))")
-  found = subprocess.run([sys.executable, "-c", probe], cwd=tree, env=_env(tree), check=True,
-                         capture_output=True, text=True).stdout.split()
+  done = subprocess.run([sys.executable, "-c", probe], cwd=tree, env=_env(tree),
+                        capture_output=True, text=True)
+  if done.returncode:
+    last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+    raise SystemExit(f"Python started in {tree} cannot import kvjax / pallas_kernels: {last}")
+  found = done.stdout.split()
   if any(os.path.realpath(p) != os.path.realpath(tree) for p in found):
     raise SystemExit(f"Python started in {tree} imports kvjax / pallas_kernels from {found}")
 

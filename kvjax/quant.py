@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 SCALE_EPS = 1e-6
-E4M3_MAX = 448.0
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 _U32 = jnp.uint32
 
@@ -364,12 +363,11 @@ def e2m1_decode(code):
   return jax.lax.bitcast_convert_type(bits | ((c & _U32(8)) << _U32(28)), jnp.float32)
 
 
-def nvfp4_group_scale(amax, gs):
+def nvfp4_group_scale(amax, gs, cast_saturates: bool = False):
   """e4m3 scale of a 16-value group: ``e4m3(gs * amax / 6)`` (``gs = 1 / global scale``),
   saturated at 448 (an Inf in the group), NaN for a NaN ``amax`` (the group reads NaN).
-  ``gs * amax >= 0``, so no lower clip."""
-  v = div_const(gs * amax, 6.0)
-  return jnp.where(v > E4M3_MAX, E4M3_MAX, v).astype(jnp.float8_e4m3fn)
+  ``cast_saturates``: as :func:`to_fp8`."""
+  return to_fp8(div_const(gs * amax, 6.0), jnp.float8_e4m3fn, cast_saturates)
 
 
 def nvfp4_recip(sf32, recip=None):

@@ -683,7 +683,7 @@ class Nvfp4Format(TileFormat):
                for side in range(2)]
     encoded = []
     for gs, xe, xo in sources:
-      sf = quant.nvfp4_group_scale(quant.abs_max(xe, xo, axis=2), gs[:, None])
+      sf = quant.nvfp4_group_scale(quant.abs_max(xe, xo, axis=2), gs[:, None], div.compiled)
       r, zero = quant.nvfp4_recip(sf.astype(jnp.float32)[:, :, None], div.recip)
       encoded.append((quant.nvfp4_pack(xe, xo, gs[:, None, None], r, zero), sf))
     for side, (packed, sf) in enumerate(encoded):
