@@ -19,7 +19,8 @@ Then, on the GPU::
 ``run`` starts ``python <script> <args> --json FILE`` with each tree as working directory and
 first on ``PYTHONPATH`` (base, then head, every round), reads the ``rows`` of each JSON
 (``bench_write.py``, ``bench_decode.py`` and ``sweep_decode.py`` write them) and prints, per
-row matched on its key fields, each tree's best ``us`` over the rounds and head / base.
+row matched on its key fields, each tree's best ``us`` over the rounds and head / base,
+after every round (and into ``--json`` each time), so a job's time limit keeps what it timed.
 """
 from __future__ import annotations
 
@@ -127,9 +128,11 @@ def markdown(table: list, base_rev: str) -> str:
 
 
 def run(script: str, args: list, rounds: int, base: str = DEFAULT_BASE, head: str = ROOT,
-        check: bool = True):
+        check: bool = True, on_round=None):
   """Alternate the two trees for ``rounds`` rounds; returns (table, base revision).
-  ``check``: first make sure each tree imports its own packages (:func:`check_imports`)."""
+  ``check``: first make sure each tree imports its own packages (:func:`check_imports`).
+  ``on_round(table, base_rev, done)``: called after each round with the comparison so far (a
+  job stopped by a time limit keeps what it measured)."""
   if not os.path.isdir(base):
     raise SystemExit(f"base tree {base!r} is missing: run `python benchmarks/ab.py prepare "
                      "--rev REV` first (where git is) and carry it")
@@ -144,6 +147,8 @@ def run(script: str, args: list, rounds: int, base: str = DEFAULT_BASE, head: st
         print(f"== round {r + 1}/{rounds}: {name} ({tree})", flush=True)
         results[name].append(run_once(tree, script, args,
                                       os.path.join(tmp, f"{name}_{r}.json")))
+      if on_round is not None:
+        on_round(compare(results), base_rev, r + 1)
   return compare(results), base_rev
 
 
@@ -166,12 +171,15 @@ def main():
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
     ap.error("run needs -- SCRIPT [ARGS ...]")
-  table, base_rev = run(command[0], command[1:], args.rounds, os.path.abspath(args.base),
-                        os.path.abspath(args.head))
-  print(markdown(table, base_rev), flush=True)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(base=base_rev, command=command, rounds=args.rounds, rows=table), f, indent=1)
+  def report(table, base_rev, done):
+    print(f"== after round {done}/{args.rounds}", flush=True)
+    print(markdown(table, base_rev), flush=True)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(dict(base=base_rev, command=command, rounds=done, rows=table), f, indent=1)
+
+  run(command[0], command[1:], args.rounds, os.path.abspath(args.base),
+      os.path.abspath(args.head), on_round=report)
 
 
 if __name__ == "__main__":

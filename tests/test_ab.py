@@ -37,7 +37,10 @@ def test_run_alternates_the_trees_and_compares_matching_rows(tmp_path, monkeypat
   base, head = _tree(tmp_path / "base", 40.0), _tree(tmp_path / "head", 30.0)
   log = tmp_path / "log"
   monkeypatch.setenv("AB_LOG", str(log))
-  table, rev = ab.run("b/bench.py", ["--fmt=x"], rounds=2, base=base, head=head, check=False)
+  reports = []
+  table, rev = ab.run("b/bench.py", ["--fmt=x"], rounds=2, base=base, head=head, check=False,
+                      on_round=lambda t, r, done: reports.append((len(t), r, done)))
+  assert reports == [(2, base, 1), (2, base, 2)]             # the comparison after each round
   runs = [line.split() for line in log.read_text().splitlines()]
   assert [r[0] for r in runs] == ["base", "head", "base", "head"]
   assert all(r[1] == os.path.join(str(tmp_path), r[0]) for r in runs)   # the tree comes first
