@@ -21,8 +21,8 @@ from jax import export
 import kvjax
 from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
+from kv_testing import needs_mosaic_gpu_interpreter
 from pallas_kernels.mosaic_gpu import tiles as TL
-from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
 from pallas_kernels.mosaic_gpu.ragged_attention import (ragged_paged_attention,
                                                         ragged_paged_attention_tiled,
                                                         spec_reason, supports_attention)
@@ -262,9 +262,6 @@ def test_geometry_rejects_pieces_off_the_8_row_tiles():
 
 
 # -- numerics in interpret mode ----------------------------------------------------------------
-needs_interpreter = pytest.mark.skipif(
-    JAX_VERSION < (0, 11),
-    reason="Mosaic GPU interpret mode of jax < 0.11 lacks OOB TMA reads / transposed wgmma")
 
 
 def _nan_poisoned_batch(rng, spec, hq, q_lens, ctx_lens, pad):
@@ -306,7 +303,7 @@ INTERPRET_CASES = [
 ]
 
 
-@needs_interpreter
+@needs_mosaic_gpu_interpreter
 @pytest.mark.parametrize("layout,h,group,head_size,block_size,q_lens,ctx_lens,pad,mql,kw",
                          INTERPRET_CASES)
 def test_interpret_matches_reference(rng, layout, h, group, head_size, block_size, q_lens,

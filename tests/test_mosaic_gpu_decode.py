@@ -22,9 +22,9 @@ import kvjax
 from kvjax import registry
 from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
+from kv_testing import needs_mosaic_gpu_interpreter
 from pallas_kernels.mosaic_gpu import attention as MA
 from pallas_kernels.mosaic_gpu import decode_geometry as DG
-from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
 from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
 from pallas_kernels.mosaic_gpu.formats import Fp8Operands, PlainOperands, hooks_class
 
@@ -150,9 +150,6 @@ def test_lowers_to_mosaic_gpu_for_cuda(cache_dtype, layout, h, group, head_size,
 
 
 # -- numerics in interpret mode ----------------------------------------------------------------
-needs_interpreter = pytest.mark.skipif(
-    JAX_VERSION < (0, 11), reason="Mosaic GPU interpret mode of jax < 0.11 lacks OOB TMA reads "
-    "and transposed wgmma operands")
 
 INTERPRET_CASES = [
     # cache_dtype, layout, H, G, D, N, seq_lens, kwargs
@@ -162,7 +159,7 @@ INTERPRET_CASES = [
 ]
 
 
-@needs_interpreter
+@needs_mosaic_gpu_interpreter
 @pytest.mark.parametrize("cache_dtype,layout,h,group,head_size,block_size,lens,kw",
                          INTERPRET_CASES)
 def test_interpret_matches_reference(rng, cache_dtype, layout, h, group, head_size, block_size,
