@@ -144,6 +144,22 @@ RAGGED_CTX_LENS = (0, 40, 17, 5, 0, 33)
 RAGGED_PAD = 3
 
 
+def shuffled_block_table(rng, pages, spare: int, unused: str):
+  """(block_table int32 ``[S, max(pages) + 1]``, num_blocks): sequence s owns ``pages[s]``
+  pages drawn in random order from ``sum(pages) + spare`` blocks. Entries past a sequence's
+  pages name ``unused``: "written" (the sequence's first page, or another sequence's) or
+  "spare" (the last block of the permutation, which no sequence owns when ``spare > 0``)."""
+  num_blocks = int(np.sum(pages)) + spare
+  perm = rng.permutation(num_blocks)
+  bt = np.zeros((len(pages), int(np.max(pages)) + 1), np.int32)
+  used = 0
+  for s, p in enumerate(pages):
+    bt[s, :p] = perm[used:used + p]
+    bt[s, p:] = perm[-1] if unused == "spare" else perm[used] if p else perm[0]
+    used += p
+  return bt, num_blocks
+
+
 def poisoned_ragged_batch(rng, spec, hq, q_lens=RAGGED_Q_LENS, ctx_lens=RAGGED_CTX_LENS, pad=RAGGED_PAD, k_scale=None,
                     v_scale=None):
   """(q, cache, query_start_loc, seq_lens, block_table) over shuffled, poisoned pages.
@@ -154,14 +170,7 @@ def poisoned_ragged_batch(rng, spec, hq, q_lens=RAGGED_Q_LENS, ctx_lens=RAGGED_C
   n = spec.block_size
   seq_lens = np.asarray(q_lens) + np.asarray(ctx_lens)
   pages = -(-seq_lens // n)
-  num_blocks = int(pages.sum()) + 2
-  perm = rng.permutation(num_blocks)
-  bt = np.zeros((len(q_lens), int(pages.max()) + 1), np.int32)
-  used = 0
-  for s, p in enumerate(pages):
-    bt[s, :p] = perm[used:used + p]
-    bt[s, p:] = perm[used] if p else perm[0]   # unused entries name a written page
-    used += p
+  bt, num_blocks = shuffled_block_table(rng, pages, spare=2, unused="written")
   shape = spec.physical_shape(num_blocks)
   raw = np.full(int(np.prod(shape)) * spec.itemsize, 0xFF, np.uint8)
   cache = jnp.asarray(raw.view(spec.storage_dtype).reshape(shape))

@@ -21,7 +21,7 @@ from jax import export
 import kvjax
 from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
-from kv_testing import needs_mosaic_gpu_interpreter
+from kv_testing import needs_mosaic_gpu_interpreter, shuffled_block_table
 from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.ragged_attention import (ragged_paged_attention,
                                                         ragged_paged_attention_tiled,
@@ -269,15 +269,7 @@ def _nan_poisoned_batch(rng, spec, hq, q_lens, ctx_lens, pad):
   to (unreferenced pages, tails of last pages) NaN."""
   n = spec.block_size
   seq_lens = np.asarray(q_lens) + np.asarray(ctx_lens)
-  pages = -(-seq_lens // n)
-  num_blocks = int(pages.sum()) + 3
-  perm = rng.permutation(num_blocks)
-  bt = np.zeros((len(q_lens), int(pages.max()) + 1), np.int32)
-  used = 0
-  for s, p in enumerate(pages):
-    bt[s, :p] = perm[used:used + p]
-    bt[s, p:] = perm[-1]                          # unused entries: a NaN page
-    used += p
+  bt, num_blocks = shuffled_block_table(rng, -(-seq_lens // n), spare=3, unused="spare")
   shape = spec.physical_shape(num_blocks)
   cache = jnp.asarray(np.full(shape, np.nan, np.float32)).astype(spec.storage_dtype)
   slots = np.concatenate([bt[s, np.arange(L) // n] * n + np.arange(L) % n
