@@ -139,8 +139,8 @@ def to_fp8(v, fp8_dtype, cast_saturates: bool = False):
 
   ``cast_saturates``: the conversion does both itself, so the clamp is left out (same bits):
   PTX's only float32 -> fp8 conversion is ``cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32``, what
-  compiled Triton kernels emit. XLA's conversion does not saturate (448.5+ becomes NaN in
-  e4m3fn), so the reference and interpret mode clamp."""
+  compiled Triton kernels emit. XLA's conversion does not saturate (500 becomes NaN in e4m3fn,
+  61440 inf in e5m2), so the reference and interpret mode clamp."""
   if not cast_saturates:
     m = finite_max(fp8_dtype)
     v = clamp(v, -m, m)
