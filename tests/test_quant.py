@@ -266,3 +266,25 @@ def test_abs_max_clamp_and_at_least_keep_nan(rng):
                                 np.clip(v, -448, 448))
   np.testing.assert_array_equal(np.asarray(quant.at_least(jnp.asarray(v), 1e-6)),
                                 np.maximum(v, np.float32(1e-6)))
+
+
+@pytest.mark.parametrize("fmt", [INT8, FP8], ids=["int8", "fp8"])
+def test_row_clamps_never_change_a_finite_code(rng, fmt):
+  """Compiled kernels leave the per-token-head clamps to their saturating conversions
+  (``cast_saturates``): sound because a finite row divided by its scale stays within
+  ``QMAX * (1 + 2**-21)``, which both casts map as the clamp would. Rows of every magnitude,
+  scale-floored tiny ones included, quantize to the same bits either way (on the CPU, where
+  the unclamped cast would not saturate)."""
+  x = rng.standard_normal((64, 128)).astype(np.float32)
+  x *= np.float32(10.0) ** rng.integers(-12, 30, (64, 1)).astype(np.float32)
+  x[::7, 0] = -np.abs(x[::7]).max(axis=1) * 1.0000001          # the extreme entry negative
+  x = jnp.asarray(x)
+  scale = quant.row_scale(quant.abs_max(x, axis=-1), fmt.qmax)
+  y = x * (1.0 / scale)[:, None]
+  assert float(jnp.abs(y).max()) <= fmt.qmax * (1 + 2.0 ** -21)
+  clamped = quant.quantize_scaled(y, fmt.quant, fmt.qmax)
+  cast_only = quant.quantize_scaled(y, fmt.quant, fmt.qmax, cast_saturates=True)
+  np.testing.assert_array_equal(np.asarray(cast_only).view(np.uint8),
+                                np.asarray(clamped).view(np.uint8))
+  codes = np.asarray(clamped).astype(np.float32)
+  assert codes.max() == fmt.qmax and codes.min() == -fmt.qmax     # the edges were reached
