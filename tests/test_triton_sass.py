@@ -3,21 +3,16 @@ and (where a stand-alone ``triton`` is importable, or ``TRITON_SASS_PATH`` names
 it) the sm_90 compile. CI has no Triton: the compile test skips there."""
 import importlib.util
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import triton_sass as TS
 from kvjax import KVCacheSpec
 from pallas_kernels.triton.decode import paged_decode_attention
 from pallas_kernels.triton.decode_config import DecodeConfig
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "triton_sass.py")
-_spec = importlib.util.spec_from_file_location("triton_sass", _PATH)
-TS = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("triton_sass", TS)       # dataclasses look their module up there
-_spec.loader.exec_module(TS)
 
 S, H, G, D, N, M = 4, 2, 4, 64, 16, 4
 CONFIG = DecodeConfig(tokens_per_step=32, num_splits=2, num_warps=2, num_stages=3)

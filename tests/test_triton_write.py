@@ -154,16 +154,7 @@ def test_writers_use_no_nan_dropping_float_min_or_max(cache_dtype, layout, head_
 
   (int4 keeps its float row min / max: its rows arrive Hadamard-rotated, and one NaN makes
   every rotated value NaN, so they stay NaN; :func:`kvjax.quant.int4_scale`.)"""
-  import importlib.util
-  import os
-  import sys
-  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "triton_sass.py")
-  if "triton_sass" not in sys.modules:
-    mod_spec = importlib.util.spec_from_file_location("triton_sass", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules["triton_sass"] = module
-    mod_spec.loader.exec_module(module)
-  ts = sys.modules["triton_sass"]
+  from benchmarks import triton_sass as ts
   spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)
   c = jax.ShapeDtypeStruct(spec.physical_shape(8), spec.storage_dtype)
   kv = jax.ShapeDtypeStruct((12, 2, head_size), spec.dtype)
