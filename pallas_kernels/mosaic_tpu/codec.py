@@ -80,8 +80,7 @@ class RowCodec:
     data: ``[..., D]`` in the storage dtype. recip: fp8 per-tensor ``1 / scale``,
     broadcastable to x (computed outside the kernel exactly as the reference does).
     Per-token-head also returns the row scale as 4 storage elements ``[..., 4]``.
-    The arithmetic of :mod:`kvjax.quant`, bit for bit, spelled with the kernel-safe helpers of
-    :mod:`pallas_kernels.cache_update_math` (no ``jnp.sign``, every cast through float32).
+    The formulas of :mod:`kvjax.quant` themselves (the reference's), bit for bit.
     """
     x = x.astype(jnp.float32)
     if self.kind == F.PLAIN:
@@ -89,13 +88,8 @@ class RowCodec:
     if self.kind == F.FP8_PER_TENSOR:
       return quant.to_fp8(x * recip, self.storage), None
     scale = quant.row_scale(quant.abs_max(x, axis=-1, keepdims=True), self.qmax)
-    y = x * (1.0 / scale)
-    if self.quant == np.dtype(np.int8):
-      data = jnp.clip(M.round_half_away(y), -128, 127).astype(jnp.int32).astype(jnp.int8)
-    else:
-      q = quant.to_fp8(y, self.quant)
-      data = jax.lax.bitcast_convert_type(q, jnp.uint8)
-    return data, self._scale_bytes(scale)
+    data = quant.quantize_scaled(x * (1.0 / scale), self.quant, self.qmax)
+    return quant.from_bits(data, self.storage), self._scale_bytes(scale)
 
   def _scale_bytes(self, scale):
     """float32 ``[..., 1]`` -> its 4 little-endian bytes ``[..., 4]`` as storage elements."""
