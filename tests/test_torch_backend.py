@@ -11,7 +11,8 @@ import torch
 
 import kvjax
 import torch_bridge as tb
-from torch_testing import (assert_written_as_reference, cache_array, device, on_cpu, poison,  # noqa: F401
+from kv_testing import assert_written_as_reference
+from torch_testing import (cache_array, device, on_cpu, poison,  # noqa: F401
                            rand_bf16, requires_cuda, sync, to_jnp)
 
 H, HQ, D, N, B = 2, 4, 64, 16, 8

@@ -18,8 +18,7 @@ import torch
 
 import kvjax
 import torch_bridge as tb
-from kv_testing import poisoned_cache
-from torch_testing import assert_written_as_reference
+from kv_testing import assert_written_as_reference, poisoned_cache
 from torch_bridge import dtypes
 from torch_bridge import layout as L
 from torch_bridge import vllm_adapter as va

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from kv_testing import assert_written_as_reference  # noqa: F401 (the torch tests use it)
 from torch_bridge import layout as L
 
 CPU = jax.devices("cpu")[0]
