@@ -146,20 +146,28 @@ def run_checks(only_pv=None):
       for pv in variants:
         emit("check", name=name, pv=pv, ok=False, error="setup: " + first_lines(e))
       continue
-    for pv in variants:
+    # the default variant also on 3 persistent blocks, fewer than the case's work items: each
+    # block walks several items (on the device's SM count these small cases have one each)
+    runs = [(pv, {}) for pv in variants]
+    if DEFAULT_PV in variants:
+      runs.append((f"{DEFAULT_PV}, 3 blocks", dict(pv=DEFAULT_PV, num_programs=3)))
+    for label, extra in runs:
       t0 = time.time()
       try:
-        out = jax.block_until_ready(ours_fn(spec, d ** -0.5, mql, pv=pv, **kw)(*args))
-        emit("check", name=name, pv=pv, **P.compare(out, ref, sum(ql)),
+        f = ours_fn(spec, d ** -0.5, mql, **(extra or dict(pv=label)), **kw)
+        out = jax.block_until_ready(f(*args))
+        emit("check", name=name, pv=label, **P.compare(out, ref, sum(ql)),
              seconds=round(time.time() - t0, 1))
       except Exception as e:  # noqa: BLE001 - report and go on
-        emit("check", name=name, pv=pv, ok=False, error=first_lines(e),
+        emit("check", name=name, pv=label, ok=False, error=first_lines(e),
              seconds=round(time.time() - t0, 1))
 
 
 # -- part 2: speed -----------------------------------------------------------------------------
-def run_bench(smoke: bool = False):
-  """Time every implementation; ``smoke``: tiny problems (plumbing check on CPU)."""
+def run_bench(smoke: bool = False, persistent_only: bool = False):
+  """Time every implementation; ``smoke``: tiny problems (plumbing check on CPU);
+  ``persistent_only``: of our kernel's variants only the schedules (persistent blocks or one
+  block per work item), not the P V variants or the ping-pong switch."""
   import jax.numpy as jnp
   import numpy as np
   import kvjax
@@ -176,6 +184,15 @@ def run_bench(smoke: bool = False):
       row["tflops"] = P.tflops(flops, row["ms"])
     emit("bench", impl=impl, problem=problem, **row)
 
+  def same_outputs(name, f, g, args):    # the same math per work item: the same bits
+    try:
+      a, b = (np.asarray(fn(*args), np.float32) for fn in (f, g))
+      diff = float(np.max(np.abs(a - b)))
+      emit("check", name=name, pv=DEFAULT_PV, ok=diff == 0.0, max_err=diff,
+           ref_max=float(np.max(np.abs(b))), padding_zero=True, seconds=0.0)
+    except Exception as e:  # noqa: BLE001 - report and go on
+      emit("check", name=name, pv=DEFAULT_PV, ok=False, error=first_lines(e), seconds=0.0)
+
   problems = P.SMOKE_PROBLEMS if smoke else P.PROBLEMS
   for k, (problem, ql, cl) in enumerate(problems):
     flops, mql = P.attention_flops(ql, cl), max(ql)
@@ -188,8 +205,14 @@ def run_bench(smoke: bool = False):
       f = ours_fn(spec, scale, mql)
       timed(f"Mosaic GPU (ours, {DEFAULT_PV}) {layout}", problem,
             lambda: time_jax(f, *args, **timing), flops)
-      if layout == "NHD" and k in (0, len(problems) - 1):    # the other variants
-        for pv in PV_VARIANTS:
+      if layout == "NHD":     # the schedule before persistent blocks: one block per item
+        g = ours_fn(spec, scale, mql, num_programs=0)
+        timed(f"Mosaic GPU (ours, {DEFAULT_PV}, one block per work item) NHD", problem,
+              lambda: time_jax(g, *args, **timing), flops)
+        same_outputs(f"{problem}: persistent blocks == one block per item (bitwise)", f, g,
+                     args)
+      if layout == "NHD" and k in (0, len(problems) - 1) and not persistent_only:
+        for pv in PV_VARIANTS:                                    # the other variants
           if pv != DEFAULT_PV:
             f = ours_fn(spec, scale, mql, pv=pv)
             timed(f"Mosaic GPU (ours, {pv}) NHD", problem,
@@ -352,6 +375,8 @@ def main():
                   help="rule part: only the per-format prefill")
   ap.add_argument("--pv", default=None,
                   help="checks part: comma-separated P.V variants to check (default: all)")
+  ap.add_argument("--persistent-only", action="store_true",
+                  help="bench part: of our kernel's variants only the two schedules")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny timing problems (CPU: checks the plumbing, every GPU item fails)")
   args = ap.parse_args()
@@ -359,7 +384,7 @@ def main():
     run_checks(args.pv.split(",") if args.pv else None)
     return
   if args.part == "bench":
-    run_bench(args.smoke)
+    run_bench(args.smoke, args.persistent_only)
     return
   if args.part == "rule":
     run_rule(args.smoke, args.quant_only)
@@ -373,6 +398,7 @@ def main():
     if args.only and part != args.only:
       continue
     extra = ((["--smoke"] if args.smoke else []) + (["--quant-only"] if args.quant_only else [])
+             + (["--persistent-only"] if args.persistent_only else [])
              + (["--pv", args.pv] if args.pv else []))
     rows, status = run_part(part, limit, extra)
     result["parts"][part] = status

@@ -175,6 +175,8 @@ def _lower_params():
                          list(_lower_params()))
 def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max_query_len, kw,
                                        pv):
+  """Lowered as the GPU runs it: persistent blocks (3 here, fewer than the work items, as the
+  device's SM count is on real batches) walking their items."""
   spec = kvjax.KVCacheSpec(2, head_size, 16, layout=layout, dtype=jnp.bfloat16)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   q = jax.ShapeDtypeStruct((num_tokens, 2 * group, head_size), jnp.bfloat16)
@@ -184,8 +186,9 @@ def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max
     kw["sinks"] = jnp.zeros(2 * group, jnp.float32)
 
   def f(q, c, qsl, sl, bt):
-    return ragged_paged_attention(q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
-                                  scale=0.1, max_query_len=max_query_len, pv=pv, **kw)
+    return ragged_paged_attention_tiled(q, c, spec, query_start_loc=qsl, seq_lens=sl,
+                                        block_table=bt, scale=0.1, max_query_len=max_query_len,
+                                        pv=pv, num_programs=3, **kw)
   text = export.export(jax.jit(f), platforms=["cuda"])(q, cache, i32(5), i32(4),
                                                          i32(4, 8)).mlir_module()
   assert "mosaic_gpu" in text
@@ -247,7 +250,7 @@ def test_q_never_lands_in_tiled_shared_memory(layout, group, head_size, num_toke
   kv_copies = [tiled for shape, tiled in copies if shape == cache.shape]
   assert len(q_copies) == sum(len(geo.slabs(w)) for w in range(geo.num_wgs))
   assert not any(q_copies), "q is copied into a tiled buffer at an arbitrary token start"
-  assert len(kv_copies) == 2 * geo.pieces_per_step * (geo.stages + 1) and all(kv_copies)
+  assert len(kv_copies) == 2 * geo.pieces_per_step and all(kv_copies)   # K and V, each piece
   assert len(copies) == len(q_copies) + len(kv_copies)
   assert geo.piece % TL.MIN_BQ == 0 and spec.block_size % geo.piece == 0
 
@@ -285,9 +288,11 @@ def _nan_poisoned_batch(rng, spec, hq, q_lens, ctx_lens, pad):
 
 INTERPRET_CASES = [
     # layout, H, G, D, N, q_lens, ctx_lens, pad, max_query_len, kwargs ("stages": force the
-    # number of K/V slots, so that tiles with more key steps than slots reuse them)
-    ("NHD", 1, 2, 64, 16, [40, 1], [300, 290], 0, 64, dict(stages=2)),
-    ("NHD", 1, 4, 64, 16, [20, 1, 0, 9], [0, 40, 8, 17], 3, 32, {}),
+    # number of K/V slots, so that tiles with more key steps than slots reuse them;
+    # "programs": CUDA blocks, fewer than work items, so that each walks several of them and
+    # its slots and barriers carry over from item to item)
+    ("NHD", 1, 2, 64, 16, [40, 1], [300, 290], 0, 64, dict(stages=2, programs=1)),
+    ("NHD", 1, 4, 64, 16, [20, 1, 0, 9], [0, 40, 8, 17], 3, 32, dict(programs=2)),
     ("HND", 1, 7, 64, 32, [18, 1, 5], [3, 70, 0], 2, 32,
      dict(sliding_window=20, soft_cap=5.0, sinks=True)),
     ("NHD", 2, 1, 64, 48, [150, 3], [0, 30], 1, 256, dict(sliding_window=50)),
@@ -308,9 +313,10 @@ def test_interpret_matches_reference(rng, layout, h, group, head_size, block_siz
     geo = dataclasses.replace(geo, stages=kw.pop("stages"))
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray(rng.standard_normal(h * group) * 2, jnp.float32)
+  programs = kw.pop("programs", 0)
   out = ragged_paged_attention_tiled(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
                                      block_table=bt, max_query_len=mql, interpret=True,
-                                     geometry=geo, **kw)
+                                     geometry=geo, num_programs=programs, **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
   o = np.asarray(out, np.float32)
   r = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, **kw))(

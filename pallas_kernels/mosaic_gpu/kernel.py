@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +72,8 @@ class KernelStatics:
   interpret: bool = False    # Mosaic GPU interpret mode (CPU)
   pv: str = TL.DEFAULT_PV      # one of tiles.PV_VARIANTS
   ping_pong: bool = True     # two consumer warpgroups alternate on the tensor cores
+  num_programs: int = 0      # CUDA blocks, each walking its share of the work items
+                             # (0: one block per work item)
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:
@@ -79,6 +81,18 @@ class KernelStatics:
     if self.interpret and self.pv != TL.PV_SMEM_FRESH:
       raise ValueError(f"interpret mode runs only the {TL.PV_SMEM_FRESH!r} variant, got "
                        f"{self.pv!r}")
+    if self.num_programs < 0:
+      raise ValueError(f"num_programs={self.num_programs} must be >= 0")
+
+  @property
+  def num_items(self) -> int:
+    """Work items: one per (KV head, query tile)."""
+    return self.num_kv_heads * self.num_tiles
+
+  @property
+  def grid_size(self) -> int:
+    """CUDA blocks launched: ``num_programs`` (at most one per work item), or one per item."""
+    return min(self.num_programs or self.num_items, self.num_items)
 
 
 def _smem_tiled(shape, dtype):
@@ -96,24 +110,34 @@ def _kv_box(cache_ref, st: KernelStatics, blk, h, off, n, side):
   return cache_ref.at[blk, h, pl.ds(off, n), cols]
 
 
-def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scratch, *,
-            st: KernelStatics):
-  ((q_smem, o_smem, k_smem, v_smem, p_smem), q_bars, (k_bars, v_bars), (k_free, v_free),
-   sched_bar) = scratch
-  geo = st.geo
-  g_count, bq, bk, d = geo.group, geo.bq, geo.block_kv, st.head_size
-  cast = plgpu.layout_cast
-  wgmma_layout = plgpu.Layout.WGMMA
-  h = lax.axis_index("head")
-  tile = st.num_tiles - 1 - lax.axis_index("tile")   # the last tiles (most keys) first
-  wg = lax.axis_index("wg")
+class _Tile(NamedTuple):
+  """One work item's scalars: its query tile's metadata and its key steps ``[j_lo, j_hi)``,
+  with ``[b, c_end)`` the steps every real row sees in full (no mask)."""
+  h: jax.Array
+  tok0: jax.Array
+  nq: jax.Array
+  pos0: jax.Array
+  kv_len: jax.Array
+  bt_row: jax.Array
+  j_lo: jax.Array
+  j_hi: jax.Array
+  b: jax.Array
+  c_end: jax.Array
+
+  @property
+  def num_steps(self):
+    return self.j_hi - self.j_lo
+
+
+def _work_item(meta_ref, w, st: KernelStatics) -> _Tile:
+  """Work item ``w``: KV heads vary fastest; the last tiles (most keys) come first."""
+  bk = st.geo.block_kv
+  h = lax.rem(w, st.num_kv_heads)
+  tile = st.num_tiles - 1 - lax.div(w, st.num_kv_heads)
   tok0 = meta_ref[TL.META_TOK0, tile]
   nq = meta_ref[TL.META_NQ, tile]
   pos0 = meta_ref[TL.META_POS0, tile]
   kv_len = meta_ref[TL.META_KV_LEN, tile]
-  bt_row = meta_ref[TL.META_BT_ROW, tile]
-
-  # Key steps of the tile [j_lo, j_hi), and [b, c_end): steps every real row sees in full.
   pos_last = pos0 + nq - 1
   kv_hi = jnp.minimum(kv_len, pos_last + 1) if st.causal else kv_len
   kv_lo = jnp.maximum(pos0 - st.window + 1, 0) if st.window else jnp.int32(0)
@@ -124,46 +148,38 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
   full_end = jnp.minimum(pos0 + 1, kv_len) if st.causal else kv_len
   b = jnp.clip(full_lo, j_lo, j_hi)
   c_end = jnp.clip(lax.div(full_end, bk), b, j_hi)
-  num_steps = j_hi - j_lo
+  return _Tile(h, tok0, nq, pos0, kv_len, meta_ref[TL.META_BT_ROW, tile], j_lo, j_hi, b,
+               c_end)
+
+
+def _for_each_item(st: KernelStatics, body, init):
+  """``carry = body(w, carry)`` over this block's work items ``w = p, p + P, p + 2P, ...``
+  (``P = st.grid_size`` blocks, ``st.num_items`` items); returns the final carry."""
+  p, num_programs = lax.axis_index("program"), st.grid_size
+  count = lax.div(st.num_items - p + num_programs - 1, num_programs)
+  return lax.fori_loop(0, count, lambda k, c: body(p + k * num_programs, c), init)
+
+
+def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scratch, *,
+            st: KernelStatics):
+  ((q_smem, o_smem, k_smem, v_smem, p_smem), q_bars, (k_bars, v_bars), (k_free, v_free),
+   sched_bar) = scratch
+  geo = st.geo
+  g_count, bq, bk, d = geo.group, geo.bq, geo.block_kv, st.head_size
+  cast = plgpu.layout_cast
+  wgmma_layout = plgpu.Layout.WGMMA
+  wg = lax.axis_index("wg")
+  # K/V slots and their barriers are used round-robin over the block's key steps across all
+  # its work items: the block's step n (counted over its items) uses slot n % stages.
+  slot_of = lambda n: lax.rem(n, geo.stages)
 
   @pl.when(wg < geo.num_wgs)
   def _consumer():
     plgpu.set_max_registers(232 if geo.num_wgs == 2 else 240, action="increase")
-    for w in range(geo.num_wgs):                 # q slabs of this warpgroup, one barrier
-      @pl.when((wg == w) & (nq > 0))               # surplus tiles: no rows, no keys
-      def _load_q():
-        # TMA into the plain output staging buffer (a tile starts at any token), then
-        # registers -> the tiled, swizzled buffer wgmma reads: a TMA copy straight into a
-        # tiled buffer splits the token start into (start // 8, start % 8) box coordinates,
-        # so a start that is not a multiple of 8 would zero-fill rows of every 8-row group.
-        stage = o_smem.at[w]
-        for sl in geo.slabs(w):
-          plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + sl.tok, sl.n), h * g_count + sl.g],
-                                  stage.at[pl.ds(sl.row, sl.n)], q_bars[w])
-        plgpu.barrier_wait(q_bars[w])
-        # once a tile: the untiled load need not be bank-conflict free
-        q_smem.at[w][...] = load_whole(stage, layout=wgmma_layout, optimized=False)
-        plgpu.commit_smem()      # generic-proxy stores visible to wgmma (async proxy)
-    q_wg = q_smem.at[wg]
-
     shape = (TL.WG_ROWS, bk)
     row = cast(lax.broadcasted_iota(jnp.int32, shape, 0), wgmma_layout) + wg * TL.WG_ROWS
     col = cast(lax.broadcasted_iota(jnp.int32, shape, 1), wgmma_layout)
-    q_pos = pos0 + lax.rem(row, bq)              # absolute position of each row's token
-
     row_layout = wgmma_layout.reduce(1)
-    if st.has_sinks:   # a sink is one more logit in the softmax: start from m = sink, l = 1
-      g_of_row = lax.div(row, bq)
-      sink = jnp.full(shape, _M_INIT, jnp.float32)
-      for g in range(g_count):
-        sink = jnp.where(g_of_row == g, sinks_ref[h * g_count + g] * _LOG2E, sink)
-      m0 = sink.max(axis=1)
-      l0 = cast(jnp.full((TL.WG_ROWS,), 1.0, jnp.float32), row_layout)
-    else:
-      m0 = cast(jnp.full((TL.WG_ROWS,), _M_INIT, jnp.float32), row_layout)
-      l0 = cast(jnp.zeros((TL.WG_ROWS,), jnp.float32), row_layout)
-    acc0 = cast(jnp.zeros((TL.WG_ROWS, d), jnp.float32), wgmma_layout)
-
     ping_pong = sched_bar is not None
 
     def pass_schedule():   # both consumer warpgroups meet here (a two-arrival barrier)
@@ -177,93 +193,133 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
     to_log2 = (lambda x: x * (st.scale * _LOG2E)) if fold else (lambda x: x)
     log2_factor = (st.scale if st.scale is not None else scale_ref[0]) * _LOG2E
 
-    def step(j, carry, masked: bool):
-      acc, m, l = carry
-      slot = lax.rem(j - j_lo, geo.stages)   # its K was waited for by the step before
+    def item(w, base):
+      """Work item w, whose first key step is the block's step ``base``; returns the block's
+      step count after it."""
+      t = _work_item(meta_ref, w, st)
+      h = t.h
+      for w_ in range(geo.num_wgs):                # q slabs of this warpgroup, one barrier
+        @pl.when((wg == w_) & (t.nq > 0))            # surplus tiles: no rows, no keys
+        def _load_q():
+          # TMA into the plain output staging buffer (a tile starts at any token), then
+          # registers -> the tiled, swizzled buffer wgmma reads: a TMA copy straight into a
+          # tiled buffer splits the token start into (start // 8, start % 8) box coordinates,
+          # so a start that is not a multiple of 8 would zero-fill rows of every 8-row group.
+          stage = o_smem.at[w_]
+          for sl in geo.slabs(w_):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t.tok0 + sl.tok, sl.n), h * g_count + sl.g],
+                                    stage.at[pl.ds(sl.row, sl.n)], q_bars[w_])
+          plgpu.barrier_wait(q_bars[w_])
+          # once a tile: the untiled load need not be bank-conflict free
+          q_smem.at[w_][...] = load_whole(stage, layout=wgmma_layout, optimized=False)
+          plgpu.commit_smem()    # generic-proxy stores visible to wgmma (async proxy)
+      q_wg = q_smem.at[wg]
+      q_pos = t.pos0 + lax.rem(row, bq)            # absolute position of each row's token
 
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
-        if ping_pong:
-          pass_schedule()        # the other warpgroup's wgmmas are issued next
-        return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
-      if not fold:
-        s = s * log2_factor
-      if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
-        cap = st.soft_cap * _LOG2E
-        s = cap * jnp.tanh(s * (1.0 / cap))
-      if masked:
-        key = j * bk + col
-        vis = key < kv_len
-        if st.causal:
-          vis = vis & (key <= q_pos)
-        if st.window:
-          vis = vis & (q_pos - key < st.window)
-        s = jnp.where(vis, s, -jnp.inf)
-      m_new = jnp.maximum(m, to_log2(s.max(axis=1)))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(to_log2(s) - lax.broadcast_in_dim(m_new, shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l = l * alpha
-      p16 = p.astype(st.dtype)
-
-      def end_softmax():         # the tensor cores are this warpgroup's again after this
-        if ping_pong:
-          plgpu.barrier_arrive(sched_bar)
-        plgpu.barrier_wait(v_bars.at[slot])
-        if ping_pong:
-          plgpu.barrier_wait(sched_bar)
-      # The order of the row sum and the barriers, and the optimization barrier that pins
-      # it, are FlashAttention-3's (JAX's attention_mgpu measured them to matter).
-      if d <= 128:
-        l = l + p.sum(axis=1)
-        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        end_softmax()
+      if st.has_sinks:  # a sink is one more logit in the softmax: start from m = sink, l = 1
+        g_of_row = lax.div(row, bq)
+        sink = jnp.full(shape, _M_INIT, jnp.float32)
+        for g in range(g_count):
+          sink = jnp.where(g_of_row == g, sinks_ref[h * g_count + g] * _LOG2E, sink)
+        m0 = sink.max(axis=1)
+        l0 = cast(jnp.full((TL.WG_ROWS,), 1.0, jnp.float32), row_layout)
       else:
-        end_softmax()
-        l = l + p.sum(axis=1)
-      if masked:
-        @pl.when((j + 1) * bk > kv_len)
-        def _zero_v_past_end():   # 64 rows at a time: fewer live registers
-          v_row = cast(lax.broadcasted_iota(jnp.int32, (TL.WG_ROWS, d), 0), wgmma_layout)
-          for r0 in range(0, bk, TL.WG_ROWS):
-            v_ref = v_smem.at[slot, pl.ds(r0, TL.WG_ROWS)]
-            keep = v_row < kv_len - j * bk - r0
-            v_ref[...] = jnp.where(keep, v_ref[...], 0).astype(st.dtype)
-          plgpu.commit_smem()
+        m0 = cast(jnp.full((TL.WG_ROWS,), _M_INIT, jnp.float32), row_layout)
+        l0 = cast(jnp.zeros((TL.WG_ROWS,), jnp.float32), row_layout)
+      acc0 = cast(jnp.zeros((TL.WG_ROWS, d), jnp.float32), wgmma_layout)
 
-      def wait_next_k():         # while the P V wgmma runs
-        @pl.when(j + 1 < j_hi)
-        def _():
-          plgpu.barrier_wait(k_bars.at[lax.rem(j + 1 - j_lo, geo.stages)])
+      def step(j, carry, masked: bool):
+        acc, m, l = carry
+        slot = slot_of(base + j - t.j_lo)      # its K was waited for by the step before
 
-      acc = _accumulate_pv(acc, p16, v_smem.at[slot],
-                           None if p_smem is None else p_smem.at[wg], st.pv, wait_next_k)
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
+          if ping_pong:
+            pass_schedule()      # the other warpgroup's wgmmas are issued next
+          return acc_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        if not fold:
+          s = s * log2_factor
+        if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
+          cap = st.soft_cap * _LOG2E
+          s = cap * jnp.tanh(s * (1.0 / cap))
+        if masked:
+          key = j * bk + col
+          vis = key < t.kv_len
+          if st.causal:
+            vis = vis & (key <= q_pos)
+          if st.window:
+            vis = vis & (q_pos - key < st.window)
+          s = jnp.where(vis, s, -jnp.inf)
+        m_new = jnp.maximum(m, to_log2(s.max(axis=1)))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(to_log2(s) - lax.broadcast_in_dim(m_new, shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha
+        p16 = p.astype(st.dtype)
 
-    @pl.when(num_steps > 0)
-    def _first_k():
-      plgpu.barrier_wait(k_bars.at[0])
-    if ping_pong:
-      pl.when(wg == 1)(pass_schedule)     # warpgroup 0 issues first
-    carry = (acc0, m0, l0)
-    carry = lax.fori_loop(j_lo, b, lambda j, cr: step(j, cr, True), carry)
-    carry = lax.fori_loop(b, c_end, lambda j, cr: step(j, cr, False), carry)
-    acc, _, l = lax.fori_loop(c_end, j_hi, lambda j, cr: step(j, cr, True), carry)
-    if ping_pong:
-      pl.when(wg == 0)(pass_schedule)     # the pass warpgroup 1 made before its first step
+        def end_softmax():       # the tensor cores are this warpgroup's again after this
+          if ping_pong:
+            plgpu.barrier_arrive(sched_bar)
+          plgpu.barrier_wait(v_bars.at[slot])
+          if ping_pong:
+            plgpu.barrier_wait(sched_bar)
+        # The order of the row sum and the barriers, and the optimization barrier that pins
+        # it, are FlashAttention-3's (JAX's attention_mgpu measured them to matter).
+        if d <= 128:
+          l = l + p.sum(axis=1)
+          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+          end_softmax()
+        else:
+          end_softmax()
+          l = l + p.sum(axis=1)
+        if masked:
+          @pl.when((j + 1) * bk > t.kv_len)
+          def _zero_v_past_end():   # 64 rows at a time: fewer live registers
+            v_row = cast(lax.broadcasted_iota(jnp.int32, (TL.WG_ROWS, d), 0), wgmma_layout)
+            for r0 in range(0, bk, TL.WG_ROWS):
+              v_ref = v_smem.at[slot, pl.ds(r0, TL.WG_ROWS)]
+              keep = v_row < t.kv_len - j * bk - r0
+              v_ref[...] = jnp.where(keep, v_ref[...], 0).astype(st.dtype)
+            plgpu.commit_smem()
 
-    l_safe = jnp.where(l > 0, l, 1.0)
-    out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    o_smem.at[wg][...] = out.astype(st.dtype)
-    plgpu.commit_smem()
-    for w in range(geo.num_wgs):
-      @pl.when(wg == w)
-      def _store():
-        for sl in geo.slabs(w):
-          _store_rows(o_smem.at[w], o_ref, sl, tok0, nq, h * g_count + sl.g)
+        def wait_next_k():       # while the P V wgmma runs
+          @pl.when(j + 1 < t.j_hi)
+          def _():
+            plgpu.barrier_wait(k_bars.at[slot_of(base + j + 1 - t.j_lo)])
+
+        acc = _accumulate_pv(acc, p16, v_smem.at[slot],
+                             None if p_smem is None else p_smem.at[wg], st.pv, wait_next_k)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      @pl.when(t.num_steps > 0)
+      def _first_k():
+        plgpu.barrier_wait(k_bars.at[slot_of(base)])
+      if ping_pong:
+        pl.when(wg == 1)(pass_schedule)   # warpgroup 0 issues first
+      carry = (acc0, m0, l0)
+      carry = lax.fori_loop(t.j_lo, t.b, lambda j, cr: step(j, cr, True), carry)
+      carry = lax.fori_loop(t.b, t.c_end, lambda j, cr: step(j, cr, False), carry)
+      acc, _, l = lax.fori_loop(t.c_end, t.j_hi, lambda j, cr: step(j, cr, True), carry)
+      if ping_pong:
+        pl.when(wg == 0)(pass_schedule)   # the pass warpgroup 1 made before its first step
+
+      l_safe = jnp.where(l > 0, l, 1.0)
+      out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      o_smem.at[wg][...] = out.astype(st.dtype)
+      plgpu.commit_smem()
+      for w_ in range(geo.num_wgs):
+        @pl.when(wg == w_)
+        def _store():
+          for sl in geo.slabs(w_):
+            _store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g)
+      # the staging buffer takes the next item's q: its stores must have read it
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      return base + t.num_steps
+
+    _for_each_item(st, item, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == geo.num_wgs)
@@ -271,42 +327,47 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
     plgpu.set_max_registers(40, action="decrease")
     piece = geo.piece
 
-    def block_ids(i):
-      """The block of each piece of step ``j_lo + i``, all loaded before any copy is issued
-      (the loads overlap; K and V of the step share them)."""
-      ids = []
-      for p in range(geo.pieces_per_step):
-        page = jnp.minimum(lax.div((j_lo + i) * bk + p * piece, geo.block_size),
-                           st.max_blocks - 1)
-        ids.append(jnp.clip(bt_ref[bt_row + page], 0, st.num_blocks - 1))
-      return ids
+    def item(w, base):
+      t = _work_item(meta_ref, w, st)
 
-    def issue(i, slot, side, bars, ids):
-      for p, blk in enumerate(ids):
-        off = lax.rem((j_lo + i) * bk + p * piece, geo.block_size)
-        src = _kv_box(cache_ref, st, blk, h, off, piece, side)
-        dst = (k_smem if side == 0 else v_smem).at[slot, pl.ds(p * piece, piece)]
-        plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
+      def block_ids(j):
+        """The block of each piece of step ``j``, all loaded before any copy is issued (the
+        loads overlap; K and V of the step share them)."""
+        ids = []
+        for p in range(geo.pieces_per_step):
+          page = jnp.minimum(lax.div(j * bk + p * piece, geo.block_size), st.max_blocks - 1)
+          ids.append(jnp.clip(bt_ref[t.bt_row + page], 0, st.num_blocks - 1))
+        return ids
 
-    for i in range(geo.stages):
-      @pl.when(i < num_steps)
-      def _prologue():
-        ids = block_ids(i)
-        issue(i, i, 0, k_bars, ids)
-        issue(i, i, 1, v_bars, ids)
+      def issue(j, slot, side, bars, ids):
+        for p, blk in enumerate(ids):
+          off = lax.rem(j * bk + p * piece, geo.block_size)
+          src = _kv_box(cache_ref, st, blk, t.h, off, piece, side)
+          dst = (k_smem if side == 0 else v_smem).at[slot, pl.ds(p * piece, piece)]
+          plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
 
-    @pl.loop(geo.stages, num_steps)
-    def _steady(i):
-      slot = lax.rem(i, geo.stages)
-      ids = block_ids(i)
-      plgpu.barrier_wait(k_free.at[slot])
-      issue(i, slot, 0, k_bars, ids)
-      plgpu.barrier_wait(v_free.at[slot])
-      issue(i, slot, 1, v_bars, ids)
+      @pl.loop(t.j_lo, t.j_hi)
+      def _steps(j):
+        n = base + j - t.j_lo             # the block's step: its slot is reused from the
+        slot = slot_of(n)                 # block's step `stages` on, once released
+        ids = block_ids(j)
 
-    @pl.loop(jnp.maximum(num_steps - geo.stages, 0), num_steps)
-    def _drain(i):   # the last `stages` releases: no barrier phase is left unobserved
-      slot = lax.rem(i, geo.stages)
+        @pl.when(n >= geo.stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+        issue(j, slot, 0, k_bars, ids)
+
+        @pl.when(n >= geo.stages)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+        issue(j, slot, 1, v_bars, ids)
+      return base + t.num_steps
+
+    total = _for_each_item(st, item, jnp.int32(0))
+
+    @pl.loop(jnp.maximum(total - geo.stages, 0), total)
+    def _drain(n):   # the last `stages` releases: no barrier phase is left unobserved
+      slot = slot_of(n)
       plgpu.barrier_wait(k_free.at[slot])
       plgpu.barrier_wait(v_free.at[slot])
 
@@ -396,8 +457,8 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
   return plgpu.kernel(
       kvjax_mgpu_ragged,
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      grid=(st.num_kv_heads, st.num_tiles),
-      grid_names=("head", "tile"),
+      grid=(st.grid_size,),
+      grid_names=("program",),
       num_threads=geo.num_wgs + 1,
       thread_name="wg",
       interpret=interpret_params() if st.interpret else None,

@@ -110,6 +110,20 @@ def prefer_attention(spec, q_dtype, call) -> str | None:
   return None
 
 
+#: Work items (KV head x query tile) go to persistent blocks, one per SM, each walking its
+#: items in turn so that its producer copies the next item's first K/V steps while its
+#: consumers finish the current one (instead of a new block's prologue per item).
+PERSISTENT = True
+
+
+def default_programs(interpret: bool) -> int:
+  """CUDA blocks of a call: one per SM of the device when :data:`PERSISTENT` (one block fits
+  an SM: its shared memory), else 0 (one block per work item). Interpret mode: 0."""
+  if interpret or not PERSISTENT:
+    return 0
+  return int(getattr(jax.devices()[0], "core_count", 0) or 0)
+
+
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
                            block_table, scale, causal=True, sliding_window=None, soft_cap=None,
                            sinks=None, k_scale=None, v_scale=None, max_query_len=None,
@@ -145,10 +159,11 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  soft_cap=None, sinks=None, k_scale=None, v_scale=None,
                                  max_query_len=None, interpret=False, pv=None,
                                  geometry: TL.TileGeometry | None = None,
-                                 ping_pong: bool = True):
+                                 ping_pong: bool = True, num_programs: int | None = None):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
-  :func:`tiles.choose_geometry`) and the ping-pong schedule of two consumer warpgroups
-  switchable (``kernel.py``), for benchmark sweeps."""
+  :func:`tiles.choose_geometry`), the ping-pong schedule of two consumer warpgroups
+  switchable (``kernel.py``) and the number of CUDA blocks (None: :func:`default_programs`;
+  0: one per work item), for benchmark sweeps."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
@@ -192,7 +207,8 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
       scale=static_or_none(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv,
-      ping_pong=bool(ping_pong))
+      ping_pong=bool(ping_pong),
+      num_programs=default_programs(interpret) if num_programs is None else int(num_programs))
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   traced_scale = None if st.scale is not None else jnp.asarray(scale, jnp.float32).reshape(1)
