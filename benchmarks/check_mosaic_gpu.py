@@ -151,6 +151,8 @@ def run_checks(only_pv=None):
     runs = [(pv, {}) for pv in variants]
     if DEFAULT_PV in variants:
       runs.append((f"{DEFAULT_PV}, 3 blocks", dict(pv=DEFAULT_PV, num_programs=3)))
+      runs.append((f"{DEFAULT_PV}, 3 blocks, q staged plainly",
+                   dict(pv=DEFAULT_PV, num_programs=3, q_swizzled=False)))
     for label, extra in runs:
       t0 = time.time()
       try:
@@ -205,12 +207,16 @@ def run_bench(smoke: bool = False, persistent_only: bool = False):
       f = ours_fn(spec, scale, mql)
       timed(f"Mosaic GPU (ours, {DEFAULT_PV}) {layout}", problem,
             lambda: time_jax(f, *args, **timing), flops)
-      if layout == "NHD":     # the schedule before persistent blocks: one block per item
+      if layout == "NHD":     # the schedules before: one block per item; q staged plainly
         g = ours_fn(spec, scale, mql, num_programs=0)
         timed(f"Mosaic GPU (ours, {DEFAULT_PV}, one block per work item) NHD", problem,
               lambda: time_jax(g, *args, **timing), flops)
         same_outputs(f"{problem}: persistent blocks == one block per item (bitwise)", f, g,
                      args)
+        g = ours_fn(spec, scale, mql, q_swizzled=False)
+        timed(f"Mosaic GPU (ours, {DEFAULT_PV}, q staged plainly) NHD", problem,
+              lambda: time_jax(g, *args, **timing), flops)
+        same_outputs(f"{problem}: q staged swizzled == plainly (bitwise)", f, g, args)
       if layout == "NHD" and k in (0, len(problems) - 1) and not persistent_only:
         for pv in PV_VARIANTS:                                    # the other variants
           if pv != DEFAULT_PV:

@@ -246,13 +246,43 @@ def test_q_never_lands_in_tiled_shared_memory(layout, group, head_size, num_toke
                                   scale=0.1, max_query_len=max_query_len)
   copies = _gmem_to_smem_copies(jax.make_jaxpr(f)(q, cache, i32(5), i32(4), i32(4, 8)))
   geo = TL.choose_geometry(group, head_size, 16, max_query_len)
+  chunks = head_size // 64 if TL.choose_q_staging(geo, head_size) else 1   # swizzled: 64 cols
   q_copies = [tiled for shape, tiled in copies if shape == q.shape]
   kv_copies = [tiled for shape, tiled in copies if shape == cache.shape]
-  assert len(q_copies) == sum(len(geo.slabs(w)) for w in range(geo.num_wgs))
+  assert len(q_copies) == chunks * sum(len(geo.slabs(w)) for w in range(geo.num_wgs))
   assert not any(q_copies), "q is copied into a tiled buffer at an arbitrary token start"
   assert len(kv_copies) == 2 * geo.pieces_per_step and all(kv_copies)   # K and V, each piece
   assert len(copies) == len(q_copies) + len(kv_copies)
   assert geo.piece % TL.MIN_BQ == 0 and spec.block_size % geo.piece == 0
+
+
+@pytest.mark.parametrize("num_items,num_programs", [(1, 0), (7, 3), (264, 132), (4100, 132),
+                                                    (5, 132)])
+def test_persistent_blocks_walk_every_item_once(num_items, num_programs):
+  """Block p of the grid walks items p, p + P, ...: together every item exactly once."""
+  from pallas_kernels.mosaic_gpu import kernel as K
+  st = K.KernelStatics(geo=TL.choose_geometry(4, 128, 16, 64), head_size=128, num_kv_heads=1,
+                       layout="NHD", num_blocks=8, max_blocks=4, num_tiles=num_items,
+                       causal=True, window=None, soft_cap=None, has_sinks=False, scale=0.1,
+                       dtype=np.dtype(jnp.bfloat16), num_programs=num_programs)
+  grid = st.grid_size
+  assert grid == min(num_programs or num_items, num_items)
+  walked = [p + k * grid for p in range(grid)
+            for k in range(int(K.items_of_block(p, grid, st.num_items)))]
+  assert sorted(walked) == list(range(num_items))
+
+
+@pytest.mark.parametrize("group,head_size,max_query_len,staged", [
+    (4, 128, 4096, True), (1, 128, 4096, True), (4, 256, 128, True), (7, 64, 32, True),
+    (8, 128, 1, False)])        # decode bucket: the buffer would take one of its 3 K/V slots
+def test_q_staging_takes_no_kv_slot(group, head_size, max_query_len, staged):
+  """q gets its swizzled staging buffer exactly where it fits next to the K/V slots the tile
+  would have anyway (choose_geometry does not count it)."""
+  geo = TL.choose_geometry(group, head_size, 16, max_query_len)
+  assert TL.choose_q_staging(geo, head_size) is staged
+  assert geo.smem_bytes(head_size, 2, q_swizzled=staged) <= TL.SMEM_BUDGET
+  if not staged:
+    assert geo.smem_bytes(head_size, 2, q_swizzled=True) > TL.SMEM_BUDGET
 
 
 def test_geometry_rejects_pieces_off_the_8_row_tiles():

@@ -1,21 +1,30 @@
 """The Mosaic GPU (Hopper) kernel body of the ragged paged attention.
 
-One CUDA block per (KV head, query tile) (:mod:`pallas_kernels.mosaic_gpu.tiles`), with
-``num_wgs + 1`` warpgroups:
+Work items are (KV head, query tile) pairs (:mod:`pallas_kernels.mosaic_gpu.tiles`), the
+tiles with the most keys first. With ``num_programs`` blocks (one per SM by default,
+``ragged_attention.default_programs``) block ``p`` walks items ``p, p + P, p + 2P, ...``:
+its K/V slots and barriers carry over from one item to the next (the block's n-th key step,
+counted over its items, uses slot ``n % stages``), so the producer copies the next item's
+first K/V steps while the consumers finish the current one, and no block pays a launch and a
+cold pipeline per item. ``num_programs=0`` launches one block per item (the former schedule;
+the same arithmetic per item, bitwise the same output). A block has ``num_wgs + 1``
+warpgroups:
 
-* the **producer** warpgroup (the last one, few registers) walks the tile's key steps and,
+* the **producer** warpgroup (the last one, few registers) walks its items' key steps and,
   per step, reads the block ids from the block table and issues one TMA copy per
-  ``piece`` tokens for K and for V of this KV head straight out of the packed cache
+  ``piece`` tokens for K and for V of the item's KV head straight out of the packed cache
   (NHD: an ``(piece, D)`` box with rows ``H * 2D`` apart; HND: rows ``2D`` apart), into
   ``stages`` shared-memory slots; it reuses a slot once every consumer has released it,
   and at the end waits for the last releases too (so every barrier phase is observed, which
   interpret mode checks);
-* each **consumer** warpgroup owns 64 rows of the tile: it loads its q slabs once (TMA into
-  untiled shared memory, then registers into the tiled buffer wgmma reads: a tile starts at
-  any token, see tiles.py "Alignment"), then per step computes ``S = q K^T`` with wgmma
-  (float32 accumulators in registers), releases K, applies scale, soft cap and the causal /
-  window / sequence-end mask (only on steps that cross an edge), updates the online softmax
-  in the exp2 domain, waits for V, and accumulates ``P V`` with wgmma
+* each **consumer** warpgroup owns 64 rows of the tile: per item it loads its q slabs once
+  (TMA into a staging buffer that is not tiled, then registers into the tiled buffer wgmma
+  reads: a tile starts at any token, see tiles.py "Alignment"; staged as 64-column chunks
+  with the 128-byte swizzle where shared memory allows, ``KernelStatics.q_swizzled``, so that
+  the load into registers has no bank conflicts, else plainly), then per step computes
+  ``S = q K^T`` with wgmma (float32 accumulators in registers), releases K, applies scale,
+  soft cap and the causal / window / sequence-end mask (only on steps that cross an edge),
+  updates the online softmax in the exp2 domain, waits for V, and accumulates ``P V`` with wgmma
   (``tiles.PV_VARIANTS``: P in registers or through shared memory, accumulated in place or
   into a fresh accumulator), waiting for the next step's K while that wgmma runs.
 
@@ -23,15 +32,16 @@ With two consumer warpgroups their tensor-core work alternates (FlashAttention-3
 "ping-pong"): a two-arrival *schedule* barrier that each passes once after issuing its
 ``q K^T`` and once after its softmax orders the wgmmas as wg0 qK, wg1 qK, wg0 PV, wg0 qK
 (next step), wg1 PV, ..., so one warpgroup's softmax runs while the other's products occupy
-the tensor cores. Warpgroup 1 passes the barrier once before its first step and warpgroup 0
-once after its last, so both pass it ``2 * steps + 1`` times (both walk the same key steps:
-their rows are other heads of the same tokens).
+the tensor cores. Per item, warpgroup 1 passes the barrier once before its first step and
+warpgroup 0 once after its last, so both pass it ``2 * steps + 1`` times (both walk the same
+items and key steps: their rows are other heads of the same tokens).
 
 Keys past the sequence end in the last step are whatever the cache holds there (stale
 bytes, NaN): their scores are selected away, and the V rows of that step past the end are
 zeroed in shared memory before ``P V`` so that ``0 * NaN`` never happens. The output goes
-through a shared-memory staging buffer and TMA stores of power-of-two row counts, so only
-the tile's real tokens are written (tiles of other sequences own the rest).
+through a shared-memory staging buffer (the plain q staging buffer: the next item's q waits
+until the stores have read it) and TMA stores of power-of-two row counts, so only the tile's
+real tokens are written (tiles of other sequences own the rest).
 """
 from __future__ import annotations
 
@@ -51,6 +61,7 @@ from pallas_kernels.mosaic_gpu.compat import interpret_params, load_whole
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30   # running max before any key: finite, so exp2(m_old - m_new) is never NaN
 _SWIZZLE = 128    # bytes: the widest wgmma swizzle; 64 bf16 columns per tile row
+_SWIZZLE_ELEMS = 64   # 16-bit elements per swizzled row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +85,8 @@ class KernelStatics:
   ping_pong: bool = True     # two consumer warpgroups alternate on the tensor cores
   num_programs: int = 0      # CUDA blocks, each walking its share of the work items
                              # (0: one block per work item)
+  q_swizzled: bool = False   # q staged in swizzled 64-column chunks (bank-conflict-free
+                             # loads; one more q-sized buffer, tiles.choose_q_staging)
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:
@@ -152,18 +165,24 @@ def _work_item(meta_ref, w, st: KernelStatics) -> _Tile:
                c_end)
 
 
+def items_of_block(p, num_blocks: int, num_items: int):
+  """How many work items block ``p`` of ``num_blocks`` walks (items ``p, p + P, ...`` below
+  ``num_items``): ``ceil((num_items - p) / num_blocks)``, for ``0 <= p < num_blocks``."""
+  return lax.div(num_items - p + num_blocks - 1, num_blocks)
+
+
 def _for_each_item(st: KernelStatics, body, init):
   """``carry = body(w, carry)`` over this block's work items ``w = p, p + P, p + 2P, ...``
   (``P = st.grid_size`` blocks, ``st.num_items`` items); returns the final carry."""
-  p, num_programs = lax.axis_index("program"), st.grid_size
-  count = lax.div(st.num_items - p + num_programs - 1, num_programs)
-  return lax.fori_loop(0, count, lambda k, c: body(p + k * num_programs, c), init)
+  p, num_blocks = lax.axis_index("program"), st.grid_size
+  return lax.fori_loop(0, items_of_block(p, num_blocks, st.num_items),
+                       lambda k, c: body(p + k * num_blocks, c), init)
 
 
 def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scratch, *,
             st: KernelStatics):
-  ((q_smem, o_smem, k_smem, v_smem, p_smem), q_bars, (k_bars, v_bars), (k_free, v_free),
-   sched_bar) = scratch
+  ((q_smem, o_smem, k_smem, v_smem, p_smem, qs_smem), q_bars, (k_bars, v_bars),
+   (k_free, v_free), sched_bar) = scratch
   geo = st.geo
   g_count, bq, bk, d = geo.group, geo.bq, geo.block_kv, st.head_size
   cast = plgpu.layout_cast
@@ -201,17 +220,32 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       for w_ in range(geo.num_wgs):                # q slabs of this warpgroup, one barrier
         @pl.when((wg == w_) & (t.nq > 0))            # surplus tiles: no rows, no keys
         def _load_q():
-          # TMA into the plain output staging buffer (a tile starts at any token), then
+          # TMA into a staging buffer that is not tiled (a tile starts at any token), then
           # registers -> the tiled, swizzled buffer wgmma reads: a TMA copy straight into a
           # tiled buffer splits the token start into (start // 8, start % 8) box coordinates,
           # so a start that is not a multiple of 8 would zero-fill rows of every 8-row group.
-          stage = o_smem.at[w_]
-          for sl in geo.slabs(w_):
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t.tok0 + sl.tok, sl.n), h * g_count + sl.g],
-                                    stage.at[pl.ds(sl.row, sl.n)], q_bars[w_])
-          plgpu.barrier_wait(q_bars[w_])
-          # once a tile: the untiled load need not be bank-conflict free
-          q_smem.at[w_][...] = load_whole(stage, layout=wgmma_layout, optimized=False)
+          if qs_smem is None:
+            stage = o_smem.at[w_]
+            for sl in geo.slabs(w_):
+              plgpu.copy_gmem_to_smem(
+                  q_ref.at[pl.ds(t.tok0 + sl.tok, sl.n), h * g_count + sl.g],
+                  stage.at[pl.ds(sl.row, sl.n)], q_bars[w_])
+            plgpu.barrier_wait(q_bars[w_])
+            # the untiled load is not bank-conflict free (rows 2D bytes apart)
+            q_smem.at[w_][...] = load_whole(stage, layout=wgmma_layout, optimized=False)
+          else:
+            # 64-column chunks of 128-byte rows, swizzled but not tiled: a box may start at
+            # any row, and the load into registers is free of bank conflicts
+            for sl in geo.slabs(w_):
+              for c in range(d // _SWIZZLE_ELEMS):
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[pl.ds(t.tok0 + sl.tok, sl.n), h * g_count + sl.g,
+                             pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)],
+                    qs_smem.at[w_, c, pl.ds(sl.row, sl.n)], q_bars[w_])
+            plgpu.barrier_wait(q_bars[w_])
+            for c in range(d // _SWIZZLE_ELEMS):
+              q_smem.at[w_, :, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)][...] = load_whole(
+                  qs_smem.at[w_, c], layout=wgmma_layout)
           plgpu.commit_smem()    # generic-proxy stores visible to wgmma (async proxy)
       q_wg = q_smem.at[wg]
       q_pos = t.pos0 + lax.rem(row, bq)            # absolute position of each row's token
@@ -432,7 +466,9 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
   """
   geo = st.geo
   d = st.head_size
-  q_bars = tuple(plgpu.Barrier(num_arrivals=len(geo.slabs(w))) for w in range(geo.num_wgs))
+  q_copies = d // _SWIZZLE_ELEMS if st.q_swizzled else 1   # per slab
+  q_bars = tuple(plgpu.Barrier(num_arrivals=q_copies * len(geo.slabs(w)))
+                 for w in range(geo.num_wgs))
   kv_bars = plgpu.Barrier(num_arrivals=geo.pieces_per_step, num_barriers=geo.stages)
   free_bars = plgpu.Barrier(num_arrivals=geo.num_wgs, num_barriers=geo.stages)
   smem = (_smem_tiled((geo.num_wgs, TL.WG_ROWS, d), st.dtype),
@@ -440,7 +476,9 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
           _smem_tiled((geo.stages, geo.block_kv, d), st.dtype),
           _smem_tiled((geo.stages, geo.block_kv, d), st.dtype),
           None if st.pv == TL.PV_REGS else
-          _smem_tiled((geo.num_wgs, TL.WG_ROWS, geo.block_kv), st.dtype))
+          _smem_tiled((geo.num_wgs, TL.WG_ROWS, geo.block_kv), st.dtype),
+          plgpu.SMEM((geo.num_wgs, d // _SWIZZLE_ELEMS, TL.WG_ROWS, _SWIZZLE_ELEMS), st.dtype,
+                     transforms=(plgpu.SwizzleTransform(_SWIZZLE),)) if st.q_swizzled else None)
 
   sched_bar = plgpu.Barrier(num_arrivals=2) if st.ping_pong and geo.num_wgs == 2 else None
 

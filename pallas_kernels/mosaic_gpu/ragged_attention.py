@@ -7,9 +7,10 @@ padding tokens and rows with no visible key give 0. :func:`supports_attention` s
 it applies (None) or why not (a one-line reason). The kernel body and its pipeline are in
 :mod:`pallas_kernels.mosaic_gpu.kernel`, the tiling in :mod:`pallas_kernels.mosaic_gpu.tiles`.
 
-Static sizes: the grid is ``(H, cdiv(T, bq) + S + 1)`` with ``bq`` from the max_query_len
-bucket (a power of two), so one compiled kernel serves every step with the same
-``(T, S, max_blocks)`` and bucket; surplus programs exit at once.
+Static sizes: ``H * (cdiv(T, bq) + S + 1)`` work items (KV head x query tile) with ``bq``
+from the max_query_len bucket (a power of two), walked by one persistent block per SM, so one
+compiled kernel serves every step with the same ``(T, S, max_blocks)`` and bucket; surplus
+items cost a block a few scalar loads.
 """
 from __future__ import annotations
 
@@ -112,7 +113,9 @@ def prefer_attention(spec, q_dtype, call) -> str | None:
 
 #: Work items (KV head x query tile) go to persistent blocks, one per SM, each walking its
 #: items in turn so that its producer copies the next item's first K/V steps while its
-#: consumers finish the current one (instead of a new block's prologue per item).
+#: consumers finish the current one (instead of a new block's prologue per item). Measured on
+#: the H200 against one block per item (benchmarks/RESULTS.md, 2026-12-03): 16 x 1024 causal
+#: +10 %, 4 x 4096 +2 %, 1 x 16384 1-3 % slower.
 PERSISTENT = True
 
 
@@ -159,11 +162,13 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  soft_cap=None, sinks=None, k_scale=None, v_scale=None,
                                  max_query_len=None, interpret=False, pv=None,
                                  geometry: TL.TileGeometry | None = None,
-                                 ping_pong: bool = True, num_programs: int | None = None):
+                                 ping_pong: bool = True, num_programs: int | None = None,
+                                 q_swizzled: bool | None = None):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), the ping-pong schedule of two consumer warpgroups
-  switchable (``kernel.py``) and the number of CUDA blocks (None: :func:`default_programs`;
-  0: one per work item), for benchmark sweeps."""
+  switchable (``kernel.py``), the number of CUDA blocks (None: :func:`default_programs`;
+  0: one per work item) and q's staging (None: :func:`tiles.choose_q_staging`), for benchmark
+  sweeps."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
@@ -190,12 +195,15 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   mql = min(sched.next_pow2(mql), sched.next_pow2(t))
   itemsize = np.dtype(q.dtype).itemsize
   geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql, itemsize, pv)
+  if q_swizzled is None:   # interpret mode: the plain staging its simulator is known to run
+    q_swizzled = not interpret and TL.choose_q_staging(geo, d, itemsize, pv)
   if geo.group != group or geo.block_size != spec.block_size:
     raise ValueError(f"geometry {geo} does not match group {group} / block size "
                      f"{spec.block_size}")
-  if geo.smem_bytes(d, itemsize, pv) > TL.SMEM_BUDGET:
-    raise ValueError(f"geometry {geo} needs {geo.smem_bytes(d, itemsize, pv)} bytes of shared "
-                     f"memory with pv={pv!r}; the budget is {TL.SMEM_BUDGET}")
+  need = geo.smem_bytes(d, itemsize, pv, q_swizzled)
+  if need > TL.SMEM_BUDGET:
+    raise ValueError(f"geometry {geo} needs {need} bytes of shared memory with pv={pv!r}, "
+                     f"q_swizzled={q_swizzled}; the budget is {TL.SMEM_BUDGET}")
   # q and out move through untiled shared memory: a tile may start at any token, T need not
   # be a multiple of 8 (the kernel's q boxes past T read zeros, its stores stop at T).
   num_tiles = TL.num_tiles_bound(t, num_seqs, geo.bq)
@@ -208,7 +216,8 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
       scale=static_or_none(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv,
       ping_pong=bool(ping_pong),
-      num_programs=default_programs(interpret) if num_programs is None else int(num_programs))
+      num_programs=default_programs(interpret) if num_programs is None else int(num_programs),
+      q_swizzled=bool(q_swizzled))
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   traced_scale = None if st.scale is not None else jnp.asarray(scale, jnp.float32).reshape(1)

@@ -130,16 +130,20 @@ class TileGeometry:
         out.append(Slab(g, 0, self.bq, g * self.bq - lo))
     return tuple(out)
 
-  def smem_bytes(self, head_size: int, itemsize: int, pv: str = DEFAULT_PV) -> int:
-    """Shared memory of the kernel's buffers: q, out staging, K and V slots, and the P
-    buffers of the variants that pass P through shared memory."""
-    q_and_out = 2 * self.rows * head_size * itemsize
+  def smem_bytes(self, head_size: int, itemsize: int, pv: str = DEFAULT_PV,
+                 q_swizzled: bool = False) -> int:
+    """Shared memory of the kernel's buffers: q, out staging, K and V slots, the P buffers of
+    the variants that pass P through shared memory, and q's swizzled staging buffer."""
+    q_and_out = (3 if q_swizzled else 2) * self.rows * head_size * itemsize
     kv = 2 * self.stages * self.block_kv * head_size * itemsize
     p = 0 if pv == PV_REGS else self.rows * self.block_kv * itemsize
     return q_and_out + kv + p
 
 
-SMEM_BUDGET = 227 * 1024      # Hopper: 227 KiB of shared memory per block
+#: Hopper: 227 KiB of shared memory per block, less 3 KiB for what Mosaic GPU adds to the
+#: kernel's buffers (barriers, reduction scratch, alignment: 2136 bytes on the default tile,
+#: read from its lowering).
+SMEM_BUDGET = 227 * 1024 - 3 * 1024
 
 
 def max_group(head_size: int) -> int:
@@ -170,6 +174,15 @@ def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: 
       return geo
     stages -= 1
   return TileGeometry(group, bq, num_wgs, block_kv, stages, block_size)
+
+
+def choose_q_staging(geo: TileGeometry, head_size: int, itemsize: int = 2,
+                     pv: str = DEFAULT_PV) -> bool:
+  """Whether q is staged in its own swizzled buffer (``kernel.py``): wherever that buffer fits
+  next to the tile's K/V slots, since it costs none of them. Measured on the H200
+  (benchmarks/RESULTS.md, 2026-12-03 "persistent blocks"): 4 x 4096 causal 493 -> 512
+  TFLOP/s, 16 x 1024 285 -> 301, 1 x 16384 level."""
+  return geo.smem_bytes(head_size, itemsize, pv, q_swizzled=True) <= SMEM_BUDGET
 
 
 def num_tiles_bound(num_tokens: int, num_seqs: int, bq: int) -> int:
