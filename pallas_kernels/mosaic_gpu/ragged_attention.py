@@ -120,8 +120,9 @@ PERSISTENT = True
 
 
 def default_programs(interpret: bool) -> int:
-  """CUDA blocks of a call: one per SM of the device when :data:`PERSISTENT` (one block fits
-  an SM: its shared memory), else 0 (one block per work item). Interpret mode: 0."""
+  """CUDA blocks of a call: one per SM of the default device when :data:`PERSISTENT` (one
+  block fills an SM's shared memory), else 0 (one block per work item). Interpret mode, and a
+  default device that reports no SM count (lowering for CUDA on a CPU host): 0."""
   if interpret or not PERSISTENT:
     return 0
   return int(getattr(jax.devices()[0], "core_count", 0) or 0)
