@@ -18,7 +18,8 @@ Then, on the GPU::
 
 ``run`` starts ``python <script> <args> --json FILE`` with each tree as working directory and
 first on ``PYTHONPATH`` (base, then head, every round), reads the ``rows`` of each JSON
-(``bench_write.py``, ``bench_decode.py`` and ``sweep_decode.py`` write them) and prints, per
+(``bench_write.py``, ``bench_decode.py``, ``sweep_decode.py`` and ``check_mosaic_gpu.py``
+write them) and prints, per
 row matched on its key fields, each tree's best ``us`` over the rounds and head / base,
 after every round (and into ``--json`` each time), so a job's time limit keeps what it timed.
 """
@@ -35,7 +36,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_BASE = os.path.join(ROOT, ".ab", "base")
 #: Row fields that name a row (those present are used), and the measured field.
-KEY_FIELDS = ("kernel", "cache_dtype", "layout", "variant", "batch", "context")
+KEY_FIELDS = ("kernel", "cache_dtype", "layout", "variant", "batch", "context", "impl",
+              "problem")
 VALUE_FIELD = "us"
 
 

@@ -1,7 +1,9 @@
 """H200 check of the Mosaic GPU ragged attention: compiled correctness, then speed.
 
 GPU:  PYTHONUNBUFFERED=1 python3 benchmarks/check_mosaic_gpu.py         (< 6 minutes)
-      [--only checks|bench|rule] [--quant-only]; writes $OUT/mosaic_gpu.json when $OUT is set.
+      [--only checks|bench|rule] [--quant-only] [--persistent-only] [--json FILE]; writes
+      $OUT/mosaic_gpu.json when $OUT is set. Two trees in one job (benchmarks/ab.py):
+      python3 benchmarks/ab.py run -- benchmarks/check_mosaic_gpu.py --only bench
 CPU:  python3 benchmarks/check_mosaic_gpu.py --smoke   (plumbing only: every GPU item fails)
 
 The one prefill table (kvjax Triton / Mosaic GPU / auto vs the dense peers, every cache
@@ -183,7 +185,7 @@ def run_bench(smoke: bool = False, persistent_only: bool = False):
   def timed(impl, problem, fn, flops):
     row = P.measure(fn)
     if "ms" in row:
-      row["tflops"] = P.tflops(flops, row["ms"])
+      row.update(tflops=P.tflops(flops, row["ms"]), us=1e3 * row["ms"])   # us: for ab.py
     emit("bench", impl=impl, problem=problem, **row)
 
   def same_outputs(name, f, g, args):    # the same math per work item: the same bits
@@ -381,6 +383,9 @@ def main():
                   help="rule part: only the per-format prefill")
   ap.add_argument("--pv", default=None,
                   help="checks part: comma-separated P.V variants to check (default: all)")
+  ap.add_argument("--json", default=None,
+                  help="also write the result (rows of every part) here (benchmarks/ab.py "
+                       "compares two trees' bench rows by impl and problem)")
   ap.add_argument("--persistent-only", action="store_true",
                   help="bench part: of our kernel's variants only the two schedules")
   ap.add_argument("--smoke", action="store_true",
@@ -444,8 +449,10 @@ def main():
       cells.append(f"{hit[0]['tflops']:.0f} ({hit[0]['ms']:.2f})" if hit else "-")
     print(f"| {impl} | " + " | ".join(cells) + " |")
   print(f"\ntotal {time.time() - t0:.0f} s", flush=True)
+  paths = [args.json] if args.json else []
   if os.environ.get("OUT"):
-    path = os.path.join(os.environ["OUT"], "mosaic_gpu.json")
+    paths.append(os.path.join(os.environ["OUT"], "mosaic_gpu.json"))
+  for path in paths:
     with open(path, "w") as fh:
       json.dump(result, fh, indent=1)
     print(f"wrote {path}")

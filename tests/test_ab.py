@@ -79,3 +79,14 @@ def test_compare_output_is_json_serializable():
   table = ab.compare({"base": [[dict(cache_dtype="a", layout="NHD", us=2.0)]],
                       "head": [[dict(cache_dtype="a", layout="NHD", us=1.0)]]})
   assert json.loads(json.dumps(table))[0]["ratio"] == 0.5
+
+
+def test_prefill_rows_match_on_implementation_and_problem():
+  """check_mosaic_gpu.py's bench rows (impl, problem, us) pair up across the trees."""
+  row = lambda impl, problem, us: dict(kind="bench", impl=impl, problem=problem, us=us)
+  table = ab.compare({
+      "base": [[row("Mosaic GPU NHD", "4x4096", 1100.0), row("Mosaic GPU NHD", "16x1024", 500.0),
+                dict(kind="check", name="x", ok=True)]],
+      "head": [[row("Mosaic GPU NHD", "4x4096", 1000.0), row("Mosaic GPU NHD", "16x1024", 450.0)]]})
+  by_problem = {r["key"]["problem"]: r["ratio"] for r in table}
+  assert by_problem == pytest.approx({"4x4096": 1000 / 1100, "16x1024": 0.9})
