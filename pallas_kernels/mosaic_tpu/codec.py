@@ -18,7 +18,7 @@ import numpy as np
 from kvjax import formats as F
 from kvjax import quant
 from kvjax.spec import KVCacheSpec
-from pallas_kernels import cache_update_math as M
+from pallas_kernels.common import f32_to_bytes
 
 #: Cache dtypes both kernels handle.
 SUPPORTED_CACHE_DTYPES = tuple(name for name, fmt in F.CACHE_FORMATS.items()
@@ -93,7 +93,7 @@ class RowCodec:
 
   def _scale_bytes(self, scale):
     """float32 ``[..., 1]`` -> its 4 little-endian bytes ``[..., 4]`` as storage elements."""
-    return M.from_u8(M.f32_to_bytes(scale[..., 0]), self.storage)
+    return quant.from_bits(f32_to_bytes(scale[..., 0]), self.storage)
 
   # -- attention: storage elements -> values the MXU takes --------------------------------
   def decode_side(self, data, scale_bytes, dtype):
@@ -115,6 +115,6 @@ class RowCodec:
   @staticmethod
   def _scale_from_bytes(raw):
     """``[..., 4]`` 8-bit storage elements (little endian) -> float32 ``[..., 1]``."""
-    b = M.to_u8(raw)
-    bits = M.bytes_to_u32(b[..., 0:1], b[..., 1:2], b[..., 2:3], b[..., 3:4])
+    b = quant.to_bits(raw).astype(jnp.uint32)
+    bits = (b[..., 0:1] | (b[..., 1:2] << 8) | (b[..., 2:3] << 16) | (b[..., 3:4] << 24))
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
