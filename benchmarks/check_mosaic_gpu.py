@@ -168,10 +168,11 @@ def run_checks(only_pv=None):
 
 
 # -- part 2: speed -----------------------------------------------------------------------------
-def run_bench(smoke: bool = False, persistent_only: bool = False):
+def run_bench(smoke: bool = False, persistent_only: bool = False, ours_only: bool = False):
   """Time every implementation; ``smoke``: tiny problems (plumbing check on CPU);
   ``persistent_only``: of our kernel's variants only the schedules (persistent blocks or one
-  block per work item), not the P V variants or the ping-pong switch."""
+  block per work item), not the P V variants or the ping-pong switch; ``ours_only``: only our
+  kernel as ``auto`` configures it, both layouts (the A/B of a kernel change, ab.py)."""
   import jax.numpy as jnp
   import numpy as np
   import kvjax
@@ -203,13 +204,13 @@ def run_bench(smoke: bool = False, persistent_only: bool = False):
     for layout in ("NHD", "HND"):
       spec = kvjax.KVCacheSpec(P.H, P.D, P.N, layout=layout, dtype=jnp.bfloat16)
       args = P.paged_batch(rng, spec, ql, cl)
-      if layout == "NHD":
+      if layout == "NHD" and not ours_only:
         f = P.kvjax_fn(spec, "pallas", mql)
         timed("Pallas-Triton (kvjax) NHD", problem, lambda: time_jax(f, *args, **timing), flops)
       f = ours_fn(spec, scale, mql)
       timed(f"Mosaic GPU (ours, {DEFAULT_PV}) {layout}", problem,
             lambda: time_jax(f, *args, **timing), flops)
-      if layout == "NHD":     # the schedules before: one block per item; q staged plainly
+      if layout == "NHD" and not ours_only:     # the schedules before: one block per item; q staged plainly
         g = ours_fn(spec, scale, mql, num_programs=0)
         timed(f"Mosaic GPU (ours, {DEFAULT_PV}, one block per work item) NHD", problem,
               lambda: time_jax(g, *args, **timing), flops)
@@ -219,7 +220,8 @@ def run_bench(smoke: bool = False, persistent_only: bool = False):
         timed(f"Mosaic GPU (ours, {DEFAULT_PV}, q staged plainly) NHD", problem,
               lambda: time_jax(g, *args, **timing), flops)
         same_outputs(f"{problem}: q staged swizzled == plainly (bitwise)", f, g, args)
-      if layout == "NHD" and k in (0, len(problems) - 1) and not persistent_only:
+      if (layout == "NHD" and k in (0, len(problems) - 1) and not persistent_only
+          and not ours_only):
         for pv in PV_VARIANTS:                                    # the other variants
           if pv != DEFAULT_PV:
             f = ours_fn(spec, scale, mql, pv=pv)
@@ -229,9 +231,11 @@ def run_bench(smoke: bool = False, persistent_only: bool = False):
         timed(f"Mosaic GPU (ours, {DEFAULT_PV}, no ping-pong) NHD", problem,
               lambda: time_jax(f, *args, **timing), flops)
       del args
-    if len(set(ql)) == 1 and not any(cl):     # dense peers: equal-length causal prefills
+    if len(set(ql)) == 1 and not any(cl) and not ours_only:     # dense peers: equal-length causal prefills
       for impl, thunk in P.dense_peers(len(ql), ql[0], timing):
         timed(impl, problem, thunk, flops)
+  if ours_only:
+    return
   # Tile sweep of the default variant on the first problem (NHD): bq, consumer warpgroups,
   # keys per step, K/V slots; the default tile (tiles.choose_geometry) is bq=32 wgs=2 bk=128.
   problem, ql, cl = problems[0]
@@ -388,6 +392,9 @@ def main():
                        "compares two trees' bench rows by impl and problem)")
   ap.add_argument("--persistent-only", action="store_true",
                   help="bench part: of our kernel's variants only the two schedules")
+  ap.add_argument("--ours-only", action="store_true",
+                  help="bench part: only our kernel as auto configures it, both layouts, no "
+                       "peers or variants (the A/B of a kernel change with benchmarks/ab.py)")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny timing problems (CPU: checks the plumbing, every GPU item fails)")
   args = ap.parse_args()
@@ -395,7 +402,7 @@ def main():
     run_checks(args.pv.split(",") if args.pv else None)
     return
   if args.part == "bench":
-    run_bench(args.smoke, args.persistent_only)
+    run_bench(args.smoke, args.persistent_only, args.ours_only)
     return
   if args.part == "rule":
     run_rule(args.smoke, args.quant_only)
@@ -410,6 +417,7 @@ def main():
       continue
     extra = ((["--smoke"] if args.smoke else []) + (["--quant-only"] if args.quant_only else [])
              + (["--persistent-only"] if args.persistent_only else [])
+             + (["--ours-only"] if args.ours_only else [])
              + (["--pv", args.pv] if args.pv else []))
     rows, status = run_part(part, limit, extra)
     result["parts"][part] = status
