@@ -11,6 +11,9 @@ machine without git)::
 
     python benchmarks/ab.py prepare --rev HEAD~1             # -> .ab/base (git-ignored)
 
+(``--out .ab/NAME`` extracts another revision; ``run --head .ab/NAME --head .ab/OTHER`` times
+several trees against the base in the same rounds.)
+
 Then, on the GPU::
 
     python3 benchmarks/ab.py run --rounds 2 -- benchmarks/bench_write.py --parts formats \\
@@ -99,8 +102,9 @@ def row_key(row: dict) -> tuple:
 
 
 def compare(results: dict) -> list:
-  """``results``: tree name -> list (one per round) of row lists. Returns one dict per key
-  present in both trees: the key, each tree's values per round and best, head / base."""
+  """``results``: tree name -> list (one per round) of row lists, with the tree "base" and
+  one or more head trees. Returns one dict per (head tree, key) present in the head and the
+  base: the key, the head tree's name, each tree's values per round and best, head / base."""
   values = {}
   for tree, rounds in results.items():
     for rows in rounds:
@@ -108,44 +112,61 @@ def compare(results: dict) -> list:
         if row.get(VALUE_FIELD) is not None:
           values.setdefault(row_key(row), {}).setdefault(tree, []).append(row[VALUE_FIELD])
   table = []
-  for key, per_tree in values.items():
-    if "base" in per_tree and "head" in per_tree:
-      best = {t: min(v) for t, v in per_tree.items()}
-      table.append(dict(key=dict(key), base=per_tree["base"], head=per_tree["head"],
-                        base_best=best["base"], head_best=best["head"],
-                        ratio=best["head"] / best["base"]))
+  for tree in (t for t in results if t != "base"):
+    for key, per_tree in values.items():
+      if "base" in per_tree and tree in per_tree:
+        base_best, head_best = min(per_tree["base"]), min(per_tree[tree])
+        table.append(dict(key=dict(key), tree=tree, base=per_tree["base"],
+                          head=per_tree[tree], base_best=base_best, head_best=head_best,
+                          ratio=head_best / base_best))
   return table
 
 
 def markdown(table: list, base_rev: str) -> str:
-  lines = [f"base = {base_rev}, head = this tree; {VALUE_FIELD} per round, best, head / base", "",
-           "| row | base | head | best base | best head | head / base |",
-           "|---|---|---|---|---|---|"]
+  trees = list(dict.fromkeys(r["tree"] for r in table))
+  lines = [f"base = {base_rev}, head = {', '.join(trees) or 'this tree'}; {VALUE_FIELD} per "
+           "round, best, head / base", "",
+           "| row | head tree | base | head | best base | best head | head / base |",
+           "|---|---|---|---|---|---|---|"]
   for r in table:
     name = " ".join(str(v) for v in r["key"].values())
     rounds = lambda v: " / ".join(f"{x:.1f}" for x in v)
-    lines.append(f"| {name} | {rounds(r['base'])} | {rounds(r['head'])} | {r['base_best']:.1f} | "
-                 f"{r['head_best']:.1f} | {r['ratio']:.3f} |")
+    lines.append(f"| {name} | {r['tree']} | {rounds(r['base'])} | {rounds(r['head'])} | "
+                 f"{r['base_best']:.1f} | {r['head_best']:.1f} | {r['ratio']:.3f} |")
   return "\n".join(lines)
 
 
-def run(script: str, args: list, rounds: int, base: str = DEFAULT_BASE, head: str = ROOT,
+def head_names(heads: list) -> list:
+  """A name per head tree: "head" for one, else each folder's name (made unique)."""
+  if len(heads) == 1:
+    return ["head"]
+  names = []
+  for tree in heads:
+    name = os.path.basename(os.path.normpath(tree))
+    names.append(name if name not in names and name != "base" else f"{name}_{len(names)}")
+  return names
+
+
+def run(script: str, args: list, rounds: int, base: str = DEFAULT_BASE, head=ROOT,
         check: bool = True, on_round=None):
-  """Alternate the two trees for ``rounds`` rounds; returns (table, base revision).
-  ``check``: first make sure each tree imports its own packages (:func:`check_imports`).
-  ``on_round(table, base_rev, done)``: called after each round with the comparison so far (a
-  job stopped by a time limit keeps what it measured)."""
+  """Alternate the base tree and the head tree(s) (``head``: a path or a list of paths) for
+  ``rounds`` rounds; returns (table, base revision). ``check``: first make sure each tree
+  imports its own packages (:func:`check_imports`). ``on_round(table, base_rev, done)``:
+  called after each round with the comparison so far (a job stopped by a time limit keeps
+  what it measured)."""
+  heads = [head] if isinstance(head, str) else list(head)
   if not os.path.isdir(base):
     raise SystemExit(f"base tree {base!r} is missing: run `python benchmarks/ab.py prepare "
                      "--rev REV` first (where git is) and carry it")
   rev_file = os.path.join(base, "AB_REV")
   base_rev = open(rev_file).read().strip() if os.path.exists(rev_file) else base
-  for tree in (base, head) if check else ():
+  for tree in [base, *heads] if check else ():
     check_imports(tree)
-  results = {"base": [], "head": []}
+  trees = [("base", base), *zip(head_names(heads), heads)]
+  results = {name: [] for name, _ in trees}
   with tempfile.TemporaryDirectory() as tmp:
     for r in range(rounds):
-      for name, tree in (("base", base), ("head", head)):
+      for name, tree in trees:
         print(f"== round {r + 1}/{rounds}: {name} ({tree})", flush=True)
         results[name].append(run_once(tree, script, args,
                                       os.path.join(tmp, f"{name}_{r}.json")))
@@ -163,7 +184,8 @@ def main():
   r = sub.add_parser("run", help="alternate base and head: run -- SCRIPT [ARGS ...]")
   r.add_argument("--rounds", type=int, default=2)
   r.add_argument("--base", default=DEFAULT_BASE)
-  r.add_argument("--head", default=ROOT)
+  r.add_argument("--head", action="append", default=None,
+                 help="a head tree (default: this one); repeat to time several against the base")
   r.add_argument("--json", default=None, help="write the comparison here")
   r.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS ...]")
   args = ap.parse_args()
@@ -181,7 +203,7 @@ def main():
         json.dump(dict(base=base_rev, command=command, rounds=done, rows=table), f, indent=1)
 
   run(command[0], command[1:], args.rounds, os.path.abspath(args.base),
-      os.path.abspath(args.head), on_round=report)
+      [os.path.abspath(h) for h in args.head or [ROOT]], on_round=report)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,21 @@ def test_run_alternates_the_trees_and_compares_matching_rows(tmp_path, monkeypat
   assert set(by_dtype) == {"nvfp4", "fp8"}                     # rows of one tree only: left out
   assert by_dtype["nvfp4"]["base"] == [40.0, 40.0] and by_dtype["nvfp4"]["head_best"] == 30.0
   assert by_dtype["fp8"]["ratio"] == pytest.approx(0.75)
-  assert "| nvfp4 HND | 40.0 / 40.0 | 30.0 / 30.0 | 40.0 | 30.0 | 0.750 |" in ab.markdown(table,
-                                                                                        rev)
+  assert ("| nvfp4 HND | head | 40.0 / 40.0 | 30.0 / 30.0 | 40.0 | 30.0 | 0.750 |"
+          in ab.markdown(table, rev))
+
+
+def test_run_times_several_head_trees_against_the_base(tmp_path, monkeypatch):
+  base = _tree(tmp_path / "base", 40.0)
+  fast, slow = _tree(tmp_path / "fast", 20.0), _tree(tmp_path / "slow", 80.0)
+  monkeypatch.setenv("AB_LOG", str(tmp_path / "log"))
+  table, _ = ab.run("b/bench.py", [], rounds=1, base=base, head=[fast, slow], check=False)
+  runs = [line.split()[0] for line in (tmp_path / "log").read_text().splitlines()]
+  assert runs == ["base", "fast", "slow"]
+  ratio = {(r["tree"], r["key"]["cache_dtype"]): r["ratio"] for r in table}
+  assert ratio == pytest.approx({("fast", "nvfp4"): 0.5, ("fast", "fp8"): 0.5,
+                                 ("slow", "nvfp4"): 2.0, ("slow", "fp8"): 2.0})
+  assert "| nvfp4 HND | slow | 40.0 | 80.0 | 40.0 | 80.0 | 2.000 |" in ab.markdown(table, "r")
 
 
 def test_prepare_extracts_the_revision_without_results(tmp_path):
