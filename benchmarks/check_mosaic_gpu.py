@@ -116,13 +116,16 @@ def cuda_info() -> dict:
     return dict(cuda_versions=first_lines(e, 1))
 
 
-def run_checks(only_pv=None):
+def run_checks(only_pv=None, quick: bool = False):
+  """Every case of CHECKS in every P V variant (``only_pv``: those), the default one also on 3
+  persistent blocks and with the other stagings (``quick``: not the other stagings)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   import kvjax
   from benchmarks import prefill_peers as P
   from pallas_kernels.mosaic_gpu.ragged_attention import supports_attention
+  from pallas_kernels.mosaic_gpu import tiles as TL
   from pallas_kernels.mosaic_gpu.tiles import DEFAULT_PV, PV_VARIANTS
   spec0 = kvjax.KVCacheSpec(8, 128, 16, dtype=jnp.bfloat16)
   emit("info", supports=supports_attention(spec0, jnp.bfloat16), device=str(jax.devices()[0]),
@@ -153,8 +156,9 @@ def run_checks(only_pv=None):
     runs = [(pv, {}) for pv in variants]
     if DEFAULT_PV in variants:
       runs.append((f"{DEFAULT_PV}, 3 blocks", dict(pv=DEFAULT_PV, num_programs=3)))
-      runs.append((f"{DEFAULT_PV}, 3 blocks, q staged plainly",
-                   dict(pv=DEFAULT_PV, num_programs=3, q_swizzled=False)))
+      for staging in () if quick else (TL.STAGING_SWIZZLED, TL.STAGING_PLAIN):
+        runs.append((f"{DEFAULT_PV}, 3 blocks, {staging} staging",
+                     dict(pv=DEFAULT_PV, num_programs=3, staging=staging)))
     for label, extra in runs:
       t0 = time.time()
       try:
@@ -178,6 +182,7 @@ def run_bench(smoke: bool = False, persistent_only: bool = False, ours_only: boo
   import kvjax
   from benchmarks import prefill_peers as P
   from benchmarks.common import time_jax
+  from pallas_kernels.mosaic_gpu import tiles as TL
   from pallas_kernels.mosaic_gpu.tiles import DEFAULT_PV, PV_VARIANTS, TileGeometry
   rng = np.random.default_rng(1)
   scale = P.D ** -0.5
@@ -210,16 +215,17 @@ def run_bench(smoke: bool = False, persistent_only: bool = False, ours_only: boo
       f = ours_fn(spec, scale, mql)
       timed(f"Mosaic GPU (ours, {DEFAULT_PV}) {layout}", problem,
             lambda: time_jax(f, *args, **timing), flops)
-      if layout == "NHD" and not ours_only:     # the schedules before: one block per item; q staged plainly
+      if layout == "NHD" and not ours_only:  # the schedule before: one block per item; stagings
         g = ours_fn(spec, scale, mql, num_programs=0)
         timed(f"Mosaic GPU (ours, {DEFAULT_PV}, one block per work item) NHD", problem,
               lambda: time_jax(g, *args, **timing), flops)
         same_outputs(f"{problem}: persistent blocks == one block per item (bitwise)", f, g,
                      args)
-        g = ours_fn(spec, scale, mql, q_swizzled=False)
-        timed(f"Mosaic GPU (ours, {DEFAULT_PV}, q staged plainly) NHD", problem,
-              lambda: time_jax(g, *args, **timing), flops)
-        same_outputs(f"{problem}: q staged swizzled == plainly (bitwise)", f, g, args)
+        for staging in (TL.STAGING_SWIZZLED, TL.STAGING_PLAIN):
+          g = ours_fn(spec, scale, mql, staging=staging)
+          timed(f"Mosaic GPU (ours, {DEFAULT_PV}, {staging} staging) NHD", problem,
+                lambda: time_jax(g, *args, **timing), flops)
+          same_outputs(f"{problem}: default == {staging} staging (bitwise)", f, g, args)
       if (layout == "NHD" and k in (0, len(problems) - 1) and not persistent_only
           and not ours_only):
         for pv in PV_VARIANTS:                                    # the other variants
@@ -392,6 +398,8 @@ def main():
                        "compares two trees' bench rows by impl and problem)")
   ap.add_argument("--persistent-only", action="store_true",
                   help="bench part: of our kernel's variants only the two schedules")
+  ap.add_argument("--quick", action="store_true",
+                  help="checks part: the default staging only (default and 3-block runs)")
   ap.add_argument("--ours-only", action="store_true",
                   help="bench part: only our kernel as auto configures it, both layouts, no "
                        "peers or variants (the A/B of a kernel change with benchmarks/ab.py)")
@@ -399,7 +407,7 @@ def main():
                   help="tiny timing problems (CPU: checks the plumbing, every GPU item fails)")
   args = ap.parse_args()
   if args.part == "checks":
-    run_checks(args.pv.split(",") if args.pv else None)
+    run_checks(args.pv.split(",") if args.pv else None, args.quick)
     return
   if args.part == "bench":
     run_bench(args.smoke, args.persistent_only, args.ours_only)
@@ -418,6 +426,7 @@ def main():
     extra = ((["--smoke"] if args.smoke else []) + (["--quant-only"] if args.quant_only else [])
              + (["--persistent-only"] if args.persistent_only else [])
              + (["--ours-only"] if args.ours_only else [])
+             + (["--quick"] if args.quick else [])
              + (["--pv", args.pv] if args.pv else []))
     rows, status = run_part(part, limit, extra)
     result["parts"][part] = status

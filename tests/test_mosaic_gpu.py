@@ -194,6 +194,24 @@ def test_lowers_to_mosaic_gpu_for_cuda(layout, group, head_size, num_tokens, max
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("staging", TL.STAGINGS)
+def test_lowers_with_each_staging(staging):
+  """q and the output through each staging buffer (tiles.STAGINGS) on 3 persistent blocks; a
+  ragged batch, so output stores start at rows that are not multiples of 8."""
+  spec = kvjax.KVCacheSpec(2, 128, 16, dtype=jnp.bfloat16)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+
+  def f(q, c, qsl, sl, bt):
+    return ragged_paged_attention_tiled(q, c, spec, query_start_loc=qsl, seq_lens=sl,
+                                        block_table=bt, scale=0.1, max_query_len=64,
+                                        num_programs=3, staging=staging)
+  text = export.export(jax.jit(f), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((77, 8, 128), jnp.bfloat16),
+      jax.ShapeDtypeStruct(spec.physical_shape(32), jnp.bfloat16), i32(5), i32(4),
+      i32(4, 8)).mlir_module()
+  assert "mosaic_gpu" in text
+
+
 def test_lowers_with_a_traced_softmax_scale():
   """A scale traced under jit is read by the kernel from an operand (no float() of a tracer)."""
   spec = kvjax.KVCacheSpec(2, 128, 16, dtype=jnp.bfloat16)
@@ -228,10 +246,11 @@ def _gmem_to_smem_copies(closed_jaxpr):
   return found
 
 
+@pytest.mark.parametrize("staging", TL.STAGINGS)
 @pytest.mark.parametrize("layout,group,head_size,num_tokens,max_query_len",
                          [("NHD", 4, 64, 37, 32), ("HND", 1, 128, 200, 256)])
 def test_q_never_lands_in_tiled_shared_memory(layout, group, head_size, num_tokens,
-                                              max_query_len):
+                                              max_query_len, staging):
   """A TMA copy into a tiled buffer addresses global memory in 8-row tiles: a q tile starting
   at a token that is not a multiple of 8 lost the rows past the first tile boundary (zeros,
   compiled only; interpret mode does not model it). q must go through untiled memory; only
@@ -242,14 +261,15 @@ def test_q_never_lands_in_tiled_shared_memory(layout, group, head_size, num_toke
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
 
   def f(q, c, qsl, sl, bt):
-    return ragged_paged_attention(q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt,
-                                  scale=0.1, max_query_len=max_query_len)
+    return ragged_paged_attention_tiled(q, c, spec, query_start_loc=qsl, seq_lens=sl,
+                                        block_table=bt, scale=0.1,
+                                        max_query_len=max_query_len, staging=staging)
   copies = _gmem_to_smem_copies(jax.make_jaxpr(f)(q, cache, i32(5), i32(4), i32(4, 8)))
   geo = TL.choose_geometry(group, head_size, 16, max_query_len)
-  chunks = head_size // 64 if TL.choose_q_staging(geo, head_size) else 1   # swizzled: 64 cols
+  sites = 1 if staging == TL.STAGING_PLAIN else head_size // 64    # swizzled: 64-col chunks
   q_copies = [tiled for shape, tiled in copies if shape == q.shape]
   kv_copies = [tiled for shape, tiled in copies if shape == cache.shape]
-  assert len(q_copies) == chunks * sum(len(geo.slabs(w)) for w in range(geo.num_wgs))
+  assert len(q_copies) == sites * sum(len(geo.slabs(w)) for w in range(geo.num_wgs))
   assert not any(q_copies), "q is copied into a tiled buffer at an arbitrary token start"
   assert len(kv_copies) == 2 * geo.pieces_per_step and all(kv_copies)   # K and V, each piece
   assert len(copies) == len(q_copies) + len(kv_copies)
@@ -272,17 +292,21 @@ def test_persistent_blocks_walk_every_item_once(num_items, num_programs):
   assert sorted(walked) == list(range(num_items))
 
 
-@pytest.mark.parametrize("group,head_size,max_query_len,staged", [
+@pytest.mark.parametrize("group,head_size,max_query_len,q_own", [
     (4, 128, 4096, True), (1, 128, 4096, True), (4, 256, 128, True), (7, 64, 32, True),
     (8, 128, 1, False)])        # decode bucket: the buffer would take one of its 3 K/V slots
-def test_q_staging_takes_no_kv_slot(group, head_size, max_query_len, staged):
-  """q gets its swizzled staging buffer exactly where it fits next to the K/V slots the tile
-  would have anyway (choose_geometry does not count it)."""
+def test_q_gets_its_own_buffer_only_where_it_takes_no_kv_slot(group, head_size,
+                                                              max_query_len, q_own):
+  """q gets a staging buffer of its own exactly where it fits next to the K/V slots the tile
+  would have anyway (choose_geometry does not count it); else it shares the output's, swizzled
+  all the same; interpret mode stages plainly."""
   geo = TL.choose_geometry(group, head_size, 16, max_query_len)
-  assert TL.choose_q_staging(geo, head_size) is staged
-  assert geo.smem_bytes(head_size, 2, q_swizzled=staged) <= TL.SMEM_BUDGET
-  if not staged:
-    assert geo.smem_bytes(head_size, 2, q_swizzled=True) > TL.SMEM_BUDGET
+  staging = TL.choose_staging(geo, head_size)
+  assert staging == (TL.STAGING_Q_OWN if q_own else TL.STAGING_SWIZZLED)
+  assert geo.smem_bytes(head_size, 2, staging=staging) <= TL.SMEM_BUDGET
+  if not q_own:
+    assert geo.smem_bytes(head_size, 2, staging=TL.STAGING_Q_OWN) > TL.SMEM_BUDGET
+  assert TL.choose_staging(geo, head_size, interpret=True) == TL.STAGING_PLAIN
 
 
 def test_geometry_rejects_pieces_off_the_8_row_tiles():

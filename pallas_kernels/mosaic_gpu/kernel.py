@@ -19,9 +19,10 @@ warpgroups:
   interpret mode checks);
 * each **consumer** warpgroup owns 64 rows of the tile: per item it loads its q slabs once
   (TMA into a staging buffer that is not tiled, then registers into the tiled buffer wgmma
-  reads: a tile starts at any token, see tiles.py "Alignment"; staged as 64-column chunks
-  with the 128-byte swizzle where shared memory allows, ``KernelStatics.q_swizzled``, so that
-  the load into registers has no bank conflicts, else plainly), then per step computes
+  reads: a tile starts at any token, see tiles.py "Alignment"; ``KernelStatics.staging``,
+  ``tiles.STAGINGS``: compiled, 64-column chunks with the 128-byte swizzle, so that loads and
+  stores between staging and registers have no bank conflicts, in a buffer of q's own where
+  shared memory allows), then per step computes
   ``S = q K^T`` with wgmma (float32 accumulators in registers), releases K, applies scale,
   soft cap and the causal / window / sequence-end mask (only on steps that cross an edge),
   updates the online softmax in the exp2 domain, waits for V, and accumulates ``P V`` with wgmma
@@ -39,9 +40,9 @@ items and key steps: their rows are other heads of the same tokens).
 Keys past the sequence end in the last step are whatever the cache holds there (stale
 bytes, NaN): their scores are selected away, and the V rows of that step past the end are
 zeroed in shared memory before ``P V`` so that ``0 * NaN`` never happens. The output goes
-through a shared-memory staging buffer (the plain q staging buffer: the next item's q waits
-until the stores have read it) and TMA stores of power-of-two row counts, so only the tile's
-real tokens are written (tiles of other sequences own the rest).
+through the output staging buffer (the one q is staged in when q has none of its own) and TMA
+stores of power-of-two row counts, so only the tile's real tokens are written (tiles of other
+sequences own the rest); the next item's q or output waits until the stores have read it.
 """
 from __future__ import annotations
 
@@ -85,8 +86,8 @@ class KernelStatics:
   ping_pong: bool = True     # two consumer warpgroups alternate on the tensor cores
   num_programs: int = 0      # CUDA blocks, each walking its share of the work items
                              # (0: one block per work item)
-  q_swizzled: bool = False   # q staged in swizzled 64-column chunks (bank-conflict-free
-                             # loads; one more q-sized buffer, tiles.choose_q_staging)
+  staging: str = TL.STAGING_PLAIN   # how q and the output pass through shared memory
+                                    # (tiles.STAGINGS, tiles.choose_staging)
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:
@@ -94,6 +95,8 @@ class KernelStatics:
     if self.interpret and self.pv != TL.PV_SMEM_FRESH:
       raise ValueError(f"interpret mode runs only the {TL.PV_SMEM_FRESH!r} variant, got "
                        f"{self.pv!r}")
+    if self.staging not in TL.STAGINGS:
+      raise ValueError(f"staging {self.staging!r} is not one of {TL.STAGINGS}")
     if self.num_programs < 0:
       raise ValueError(f"num_programs={self.num_programs} must be >= 0")
 
@@ -212,6 +215,29 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
     to_log2 = (lambda x: x * (st.scale * _LOG2E)) if fold else (lambda x: x)
     log2_factor = (st.scale if st.scale is not None else scale_ref[0]) * _LOG2E
 
+    swizzled = st.staging != TL.STAGING_PLAIN
+    chunks = d // _SWIZZLE_ELEMS
+    q_stage = o_smem if qs_smem is None else qs_smem      # where q lands before registers
+
+    def copy_q(w_, t):
+      """TMA copies of warpgroup w_'s q slabs of item t into its staging buffer (not tiled:
+      a box may start at any token; swizzled: one copy per 64-column chunk)."""
+      for sl in geo.slabs(w_):
+        src = q_ref.at[pl.ds(t.tok0 + sl.tok, sl.n), t.h * g_count + sl.g]
+        if not swizzled:
+          plgpu.copy_gmem_to_smem(src, q_stage.at[w_, pl.ds(sl.row, sl.n)], q_bars[w_])
+        for c in range(chunks if swizzled else 0):
+          plgpu.copy_gmem_to_smem(src.at[:, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)],
+                                  q_stage.at[w_, c, pl.ds(sl.row, sl.n)], q_bars[w_])
+
+    def stage_to_q(w_):
+      """Warpgroup w_'s staged q -> registers -> the tiled, swizzled buffer wgmma reads."""
+      if not swizzled:      # rows 2D bytes apart: not a bank-conflict-free load
+        q_smem.at[w_][...] = load_whole(q_stage.at[w_], layout=wgmma_layout, optimized=False)
+      for c in range(chunks if swizzled else 0):
+        q_smem.at[w_, :, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)][...] = load_whole(
+            q_stage.at[w_, c], layout=wgmma_layout)
+
     def item(w, base):
       """Work item w, whose first key step is the block's step ``base``; returns the block's
       step count after it."""
@@ -220,32 +246,12 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       for w_ in range(geo.num_wgs):                # q slabs of this warpgroup, one barrier
         @pl.when((wg == w_) & (t.nq > 0))            # surplus tiles: no rows, no keys
         def _load_q():
-          # TMA into a staging buffer that is not tiled (a tile starts at any token), then
-          # registers -> the tiled, swizzled buffer wgmma reads: a TMA copy straight into a
-          # tiled buffer splits the token start into (start // 8, start % 8) box coordinates,
-          # so a start that is not a multiple of 8 would zero-fill rows of every 8-row group.
-          if qs_smem is None:
-            stage = o_smem.at[w_]
-            for sl in geo.slabs(w_):
-              plgpu.copy_gmem_to_smem(
-                  q_ref.at[pl.ds(t.tok0 + sl.tok, sl.n), h * g_count + sl.g],
-                  stage.at[pl.ds(sl.row, sl.n)], q_bars[w_])
-            plgpu.barrier_wait(q_bars[w_])
-            # the untiled load is not bank-conflict free (rows 2D bytes apart)
-            q_smem.at[w_][...] = load_whole(stage, layout=wgmma_layout, optimized=False)
-          else:
-            # 64-column chunks of 128-byte rows, swizzled but not tiled: a box may start at
-            # any row, and the load into registers is free of bank conflicts
-            for sl in geo.slabs(w_):
-              for c in range(d // _SWIZZLE_ELEMS):
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[pl.ds(t.tok0 + sl.tok, sl.n), h * g_count + sl.g,
-                             pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)],
-                    qs_smem.at[w_, c, pl.ds(sl.row, sl.n)], q_bars[w_])
-            plgpu.barrier_wait(q_bars[w_])
-            for c in range(d // _SWIZZLE_ELEMS):
-              q_smem.at[w_, :, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)][...] = load_whole(
-                  qs_smem.at[w_, c], layout=wgmma_layout)
+          # Through untiled memory: a TMA copy straight into the tiled buffer would split the
+          # token start into (start // 8, start % 8) box coordinates, so a start that is not
+          # a multiple of 8 would zero-fill rows of every 8-row group.
+          copy_q(w_, t)
+          plgpu.barrier_wait(q_bars[w_])
+          stage_to_q(w_)
           plgpu.commit_smem()    # generic-proxy stores visible to wgmma (async proxy)
       q_wg = q_smem.at[wg]
       q_pos = t.pos0 + lax.rem(row, bq)            # absolute position of each row's token
@@ -342,13 +348,18 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
 
       l_safe = jnp.where(l > 0, l, 1.0)
       out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      o_smem.at[wg][...] = out.astype(st.dtype)
+      if not swizzled:          # rows 2D bytes apart: the stores are bank-conflicted
+        o_smem.at[wg][...] = out.astype(st.dtype)
+      for c in range(chunks if swizzled else 0):
+        o_smem.at[wg, c][...] = out[:, c * _SWIZZLE_ELEMS:(c + 1) * _SWIZZLE_ELEMS].astype(
+            st.dtype)
       plgpu.commit_smem()
       for w_ in range(geo.num_wgs):
         @pl.when(wg == w_)
         def _store():
           for sl in geo.slabs(w_):
-            _store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g)
+            _store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g,
+                        chunks if swizzled else 0)
       # the staging buffer takes the next item's q: its stores must have read it
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return base + t.num_steps
@@ -437,17 +448,24 @@ def _accumulate_pv(acc, p16, v_ref, p_ref, pv: str, while_running):
   return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def _store_rows(o_stage, o_ref, sl: TL.Slab, tok0, nq, head):
+def _store_rows(o_stage, o_ref, sl: TL.Slab, tok0, nq, head, chunks: int):
   """TMA-store the slab's real rows (``clip(nq - sl.tok, 0, sl.n)`` of them) as pieces of
-  ``sl.n, sl.n/2, ..., 1`` rows: the TMA box is static, the row count is not."""
+  ``sl.n, sl.n/2, ..., 1`` rows: the TMA box is static, the row count is not. o_stage: the
+  warpgroup's ``(64, D)`` staging rows, or (``chunks > 0``) its ``(chunks, 64, 64)``
+  swizzled 64-column chunks, one store per chunk."""
   count = jnp.clip(nq - sl.tok, 0, sl.n)
   start = jnp.int32(0)
   size = sl.n
   while size >= 1:
     @pl.when((count & size) != 0)
     def _piece(size=size, start=start):
-      plgpu.copy_smem_to_gmem(o_stage.at[pl.ds(sl.row + start, size)],
-                              o_ref.at[pl.ds(tok0 + sl.tok + start, size), head])
+      rows = pl.ds(sl.row + start, size)
+      dst = o_ref.at[pl.ds(tok0 + sl.tok + start, size), head]
+      if not chunks:
+        plgpu.copy_smem_to_gmem(o_stage.at[rows], dst)
+      for c in range(chunks):
+        plgpu.copy_smem_to_gmem(o_stage.at[c, rows],
+                                dst.at[:, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)])
     start = start + (count & size)
     size //= 2
 
@@ -466,19 +484,22 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
   """
   geo = st.geo
   d = st.head_size
-  q_copies = d // _SWIZZLE_ELEMS if st.q_swizzled else 1   # per slab
+  swizzled = st.staging != TL.STAGING_PLAIN
+  q_copies = d // _SWIZZLE_ELEMS if swizzled else 1   # per slab
   q_bars = tuple(plgpu.Barrier(num_arrivals=q_copies * len(geo.slabs(w)))
                  for w in range(geo.num_wgs))
   kv_bars = plgpu.Barrier(num_arrivals=geo.pieces_per_step, num_barriers=geo.stages)
   free_bars = plgpu.Barrier(num_arrivals=geo.num_wgs, num_barriers=geo.stages)
+  staging = (plgpu.SMEM((geo.num_wgs, d // _SWIZZLE_ELEMS, TL.WG_ROWS, _SWIZZLE_ELEMS),
+                        st.dtype, transforms=(plgpu.SwizzleTransform(_SWIZZLE),))
+             if swizzled else plgpu.SMEM((geo.num_wgs, TL.WG_ROWS, d), st.dtype))
   smem = (_smem_tiled((geo.num_wgs, TL.WG_ROWS, d), st.dtype),
-          plgpu.SMEM((geo.num_wgs, TL.WG_ROWS, d), st.dtype),
+          staging,
           _smem_tiled((geo.stages, geo.block_kv, d), st.dtype),
           _smem_tiled((geo.stages, geo.block_kv, d), st.dtype),
           None if st.pv == TL.PV_REGS else
           _smem_tiled((geo.num_wgs, TL.WG_ROWS, geo.block_kv), st.dtype),
-          plgpu.SMEM((geo.num_wgs, d // _SWIZZLE_ELEMS, TL.WG_ROWS, _SWIZZLE_ELEMS), st.dtype,
-                     transforms=(plgpu.SwizzleTransform(_SWIZZLE),)) if st.q_swizzled else None)
+          staging if st.staging == TL.STAGING_Q_OWN else None)
 
   sched_bar = plgpu.Barrier(num_arrivals=2) if st.ping_pong and geo.num_wgs == 2 else None
 

@@ -164,12 +164,12 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  max_query_len=None, interpret=False, pv=None,
                                  geometry: TL.TileGeometry | None = None,
                                  ping_pong: bool = True, num_programs: int | None = None,
-                                 q_swizzled: bool | None = None):
+                                 staging: str | None = None):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), the ping-pong schedule of two consumer warpgroups
   switchable (``kernel.py``), the number of CUDA blocks (None: :func:`default_programs`;
-  0: one per work item) and q's staging (None: :func:`tiles.choose_q_staging`), for benchmark
-  sweeps."""
+  0: one per work item) and how q and the output pass through shared memory (None:
+  :func:`tiles.choose_staging`; one of ``tiles.STAGINGS``), for benchmark sweeps."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
@@ -196,15 +196,15 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   mql = min(sched.next_pow2(mql), sched.next_pow2(t))
   itemsize = np.dtype(q.dtype).itemsize
   geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql, itemsize, pv)
-  if q_swizzled is None:   # interpret mode: the plain staging its simulator is known to run
-    q_swizzled = not interpret and TL.choose_q_staging(geo, d, itemsize, pv)
+  if staging is None:
+    staging = TL.choose_staging(geo, d, itemsize, pv, interpret)
   if geo.group != group or geo.block_size != spec.block_size:
     raise ValueError(f"geometry {geo} does not match group {group} / block size "
                      f"{spec.block_size}")
-  need = geo.smem_bytes(d, itemsize, pv, q_swizzled)
+  need = geo.smem_bytes(d, itemsize, pv, staging)
   if need > TL.SMEM_BUDGET:
     raise ValueError(f"geometry {geo} needs {need} bytes of shared memory with pv={pv!r}, "
-                     f"q_swizzled={q_swizzled}; the budget is {TL.SMEM_BUDGET}")
+                     f"staging={staging!r}; the budget is {TL.SMEM_BUDGET}")
   # q and out move through untiled shared memory: a tile may start at any token, T need not
   # be a multiple of 8 (the kernel's q boxes past T read zeros, its stores stop at T).
   num_tiles = TL.num_tiles_bound(t, num_seqs, geo.bq)
@@ -218,7 +218,7 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       scale=static_or_none(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv,
       ping_pong=bool(ping_pong),
       num_programs=default_programs(interpret) if num_programs is None else int(num_programs),
-      q_swizzled=bool(q_swizzled))
+      staging=staging)
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   traced_scale = None if st.scale is not None else jnp.asarray(scale, jnp.float32).reshape(1)

@@ -48,10 +48,23 @@ PV_VARIANTS = (PV_REGS, PV_SMEM, PV_SMEM_FRESH)
 DEFAULT_PV = PV_REGS
 
 
+#: How q and the output tile pass through shared memory (``kernel.py``; both are copied by
+#: TMA into / out of memory that is not tiled, since a tile starts at any token):
+#: "plain": one buffer per consumer warpgroup of rows ``2 * D`` bytes apart, q staged in the
+#:   output buffer; loads and stores between it and registers are 8-way bank-conflicted.
+#: "swizzled": one buffer of 64-column chunks of 128-byte rows with the 128-byte swizzle
+#:   (conflict-free), q staged in the output buffer.
+#: "q_own": as "swizzled", q in a buffer of its own, copied during the block's previous item
+#:   (and the output stores drain during the next item).
+STAGING_PLAIN, STAGING_SWIZZLED, STAGING_Q_OWN = "plain", "swizzled", "q_own"
+STAGINGS = (STAGING_PLAIN, STAGING_SWIZZLED, STAGING_Q_OWN)
+
+
 def default_pv(interpret: bool) -> str:
   """The P V variant a call without ``pv`` runs: :data:`DEFAULT_PV` compiled, the one form
   Mosaic GPU interpret mode takes otherwise."""
   return PV_SMEM_FRESH if interpret else DEFAULT_PV
+
 
 #: Rows of the metadata array handed to the kernel, one column per tile.
 META_TOK0, META_NQ, META_POS0, META_KV_LEN, META_BT_ROW = range(5)
@@ -131,10 +144,11 @@ class TileGeometry:
     return tuple(out)
 
   def smem_bytes(self, head_size: int, itemsize: int, pv: str = DEFAULT_PV,
-                 q_swizzled: bool = False) -> int:
+                 staging: str = STAGING_SWIZZLED) -> int:
     """Shared memory of the kernel's buffers: q, out staging, K and V slots, the P buffers of
-    the variants that pass P through shared memory, and q's swizzled staging buffer."""
-    q_and_out = (3 if q_swizzled else 2) * self.rows * head_size * itemsize
+    the variants that pass P through shared memory, and q's own staging buffer with
+    ``staging`` :data:`STAGING_Q_OWN`."""
+    q_and_out = (3 if staging == STAGING_Q_OWN else 2) * self.rows * head_size * itemsize
     kv = 2 * self.stages * self.block_kv * head_size * itemsize
     p = 0 if pv == PV_REGS else self.rows * self.block_kv * itemsize
     return q_and_out + kv + p
@@ -176,13 +190,19 @@ def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: 
   return TileGeometry(group, bq, num_wgs, block_kv, stages, block_size)
 
 
-def choose_q_staging(geo: TileGeometry, head_size: int, itemsize: int = 2,
-                     pv: str = DEFAULT_PV) -> bool:
-  """Whether q is staged in its own swizzled buffer (``kernel.py``): wherever that buffer fits
-  next to the tile's K/V slots, since it costs none of them. Measured on the H200
-  (benchmarks/RESULTS.md, 2026-12-03 "persistent blocks"): 4 x 4096 causal 493 -> 512
+def choose_staging(geo: TileGeometry, head_size: int, itemsize: int = 2,
+                   pv: str = DEFAULT_PV, interpret: bool = False) -> str:
+  """How q and the output pass through shared memory (:data:`STAGINGS`): q in a buffer of
+  its own wherever that buffer fits next to the tile's K/V slots (it costs none of them),
+  else both in one swizzled buffer; interpret mode stages plainly (the form its simulator is
+  known to run). Measured on the H200 (benchmarks/RESULTS.md, 2026-12-03 "persistent
+  blocks"): q in its own swizzled buffer instead of the plain one, 4 x 4096 causal 493 -> 512
   TFLOP/s, 16 x 1024 285 -> 301, 1 x 16384 level."""
-  return geo.smem_bytes(head_size, itemsize, pv, q_swizzled=True) <= SMEM_BUDGET
+  if interpret:
+    return STAGING_PLAIN
+  if geo.smem_bytes(head_size, itemsize, pv, STAGING_Q_OWN) <= SMEM_BUDGET:
+    return STAGING_Q_OWN
+  return STAGING_SWIZZLED
 
 
 def num_tiles_bound(num_tokens: int, num_seqs: int, bq: int) -> int:
