@@ -1,7 +1,7 @@
 """The Mosaic GPU (Hopper) kernel body of the ragged paged attention.
 
-Work items are (KV head, query tile) pairs (:mod:`pallas_kernels.mosaic_gpu.tiles`), the
-tiles with the most keys first. With ``num_programs`` blocks (one per SM by default,
+Work items are (KV head, query tile) pairs (:mod:`pallas_kernels.mosaic_gpu.tiles`), each
+sequence's tiles from the one with the most keys down (:func:`_work_item`). With ``num_programs`` blocks (one per SM by default,
 ``ragged_attention.default_programs``) block ``p`` walks items ``p, p + P, p + 2P, ...``:
 its K/V slots and barriers carry over from one item to the next (the block's n-th key step,
 counted over its items, uses slot ``n % stages``), so the producer copies the next item's
@@ -146,7 +146,8 @@ class _Tile(NamedTuple):
 
 
 def _work_item(meta_ref, w, st: KernelStatics) -> _Tile:
-  """Work item ``w``: KV heads vary fastest; the last tiles (most keys) come first."""
+  """Work item ``w``: KV heads vary fastest; the tiles in reverse schedule order (each
+  sequence's last tile, the one with the most keys, first; the last sequence first)."""
   bk = st.geo.block_kv
   h = lax.rem(w, st.num_kv_heads)
   tile = st.num_tiles - 1 - lax.div(w, st.num_kv_heads)
