@@ -237,7 +237,7 @@ def run_bench(smoke: bool = False, persistent_only: bool = False, ours_only: boo
         timed(f"Mosaic GPU (ours, {DEFAULT_PV}, no ping-pong) NHD", problem,
               lambda: time_jax(f, *args, **timing), flops)
       del args
-    if len(set(ql)) == 1 and not any(cl) and not ours_only:     # dense peers: equal-length causal prefills
+    if len(set(ql)) == 1 and not any(cl) and not ours_only:   # dense peers: equal prefills
       for impl, thunk in P.dense_peers(len(ql), ql[0], timing):
         timed(impl, problem, thunk, flops)
   if ours_only:

@@ -1,8 +1,9 @@
 """The Mosaic GPU (Hopper) kernel body of the ragged paged attention.
 
 Work items are (KV head, query tile) pairs (:mod:`pallas_kernels.mosaic_gpu.tiles`), each
-sequence's tiles from the one with the most keys down (:func:`_work_item`). With ``num_programs`` blocks (one per SM by default,
-``ragged_attention.default_programs``) block ``p`` walks items ``p, p + P, p + 2P, ...``:
+sequence's tiles from the one with the most keys down (:func:`_work_item`). With
+``num_programs`` blocks (one per SM by default, ``ragged_attention.default_programs``) block
+``p`` walks items ``p, p + P, p + 2P, ...``:
 its K/V slots and barriers carry over from one item to the next (the block's n-th key step,
 counted over its items, uses slot ``n % stages``), so the producer copies the next item's
 first K/V steps while the consumers finish the current one, and no block pays a launch and a
@@ -361,7 +362,8 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
           for sl in geo.slabs(w_):
             _store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g,
                         chunks if swizzled else 0)
-      # the staging buffer takes the next item's q: its stores must have read it
+      # the next item writes the staging buffer (its q, or with q_own its output), so the
+      # stores must have read it by then
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return base + t.num_steps
 

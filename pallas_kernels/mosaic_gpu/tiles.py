@@ -54,8 +54,8 @@ DEFAULT_PV = PV_REGS
 #:   output buffer; loads and stores between it and registers are 8-way bank-conflicted.
 #: "swizzled": one buffer of 64-column chunks of 128-byte rows with the 128-byte swizzle
 #:   (conflict-free), q staged in the output buffer.
-#: "q_own": as "swizzled", q in a buffer of its own, copied during the block's previous item
-#:   (and the output stores drain during the next item).
+#: "q_own": as "swizzled", q in a buffer of its own (its copies need not wait for the
+#:   previous item's output stores; one more q-sized buffer).
 STAGING_PLAIN, STAGING_SWIZZLED, STAGING_Q_OWN = "plain", "swizzled", "q_own"
 STAGINGS = (STAGING_PLAIN, STAGING_SWIZZLED, STAGING_Q_OWN)
 
