@@ -107,6 +107,12 @@ class KernelStatics:
     return self.num_kv_heads * self.num_tiles
 
   @property
+  def stage_chunks(self) -> int:
+    """64-column chunks of each staging buffer row (``staging``): ``D / 64`` when swizzled,
+    0 for the plain buffer of whole rows."""
+    return 0 if self.staging == TL.STAGING_PLAIN else self.head_size // _SWIZZLE_ELEMS
+
+  @property
   def grid_size(self) -> int:
     """CUDA blocks launched: ``num_programs`` (at most one per work item), or one per item."""
     return min(self.num_programs or self.num_items, self.num_items)
@@ -217,8 +223,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
     to_log2 = (lambda x: x * (st.scale * _LOG2E)) if fold else (lambda x: x)
     log2_factor = (st.scale if st.scale is not None else scale_ref[0]) * _LOG2E
 
-    swizzled = st.staging != TL.STAGING_PLAIN
-    chunks = d // _SWIZZLE_ELEMS
+    chunks = st.stage_chunks
     q_stage = o_smem if qs_smem is None else qs_smem      # where q lands before registers
 
     def copy_q(w_, t):
@@ -226,17 +231,17 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       a box may start at any token; swizzled: one copy per 64-column chunk)."""
       for sl in geo.slabs(w_):
         src = q_ref.at[pl.ds(t.tok0 + sl.tok, sl.n), t.h * g_count + sl.g]
-        if not swizzled:
+        if not chunks:
           plgpu.copy_gmem_to_smem(src, q_stage.at[w_, pl.ds(sl.row, sl.n)], q_bars[w_])
-        for c in range(chunks if swizzled else 0):
+        for c in range(chunks):
           plgpu.copy_gmem_to_smem(src.at[:, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)],
                                   q_stage.at[w_, c, pl.ds(sl.row, sl.n)], q_bars[w_])
 
     def stage_to_q(w_):
       """Warpgroup w_'s staged q -> registers -> the tiled, swizzled buffer wgmma reads."""
-      if not swizzled:      # rows 2D bytes apart: not a bank-conflict-free load
+      if not chunks:        # rows 2D bytes apart: not a bank-conflict-free load
         q_smem.at[w_][...] = load_whole(q_stage.at[w_], layout=wgmma_layout, optimized=False)
-      for c in range(chunks if swizzled else 0):
+      for c in range(chunks):
         q_smem.at[w_, :, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)][...] = load_whole(
             q_stage.at[w_, c], layout=wgmma_layout)
 
@@ -350,9 +355,9 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
 
       l_safe = jnp.where(l > 0, l, 1.0)
       out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      if not swizzled:          # rows 2D bytes apart: the stores are bank-conflicted
+      if not chunks:            # rows 2D bytes apart: the stores are bank-conflicted
         o_smem.at[wg][...] = out.astype(st.dtype)
-      for c in range(chunks if swizzled else 0):
+      for c in range(chunks):
         o_smem.at[wg, c][...] = out[:, c * _SWIZZLE_ELEMS:(c + 1) * _SWIZZLE_ELEMS].astype(
             st.dtype)
       plgpu.commit_smem()
@@ -360,8 +365,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
         @pl.when(wg == w_)
         def _store():
           for sl in geo.slabs(w_):
-            _store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g,
-                        chunks if swizzled else 0)
+            _store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g, chunks)
       # the next item writes the staging buffer (its q, or with q_own its output), so the
       # stores must have read it by then
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -487,15 +491,14 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
   """
   geo = st.geo
   d = st.head_size
-  swizzled = st.staging != TL.STAGING_PLAIN
-  q_copies = d // _SWIZZLE_ELEMS if swizzled else 1   # per slab
+  q_copies = st.stage_chunks or 1     # per slab
   q_bars = tuple(plgpu.Barrier(num_arrivals=q_copies * len(geo.slabs(w)))
                  for w in range(geo.num_wgs))
   kv_bars = plgpu.Barrier(num_arrivals=geo.pieces_per_step, num_barriers=geo.stages)
   free_bars = plgpu.Barrier(num_arrivals=geo.num_wgs, num_barriers=geo.stages)
-  staging = (plgpu.SMEM((geo.num_wgs, d // _SWIZZLE_ELEMS, TL.WG_ROWS, _SWIZZLE_ELEMS),
+  staging = (plgpu.SMEM((geo.num_wgs, st.stage_chunks, TL.WG_ROWS, _SWIZZLE_ELEMS),
                         st.dtype, transforms=(plgpu.SwizzleTransform(_SWIZZLE),))
-             if swizzled else plgpu.SMEM((geo.num_wgs, TL.WG_ROWS, d), st.dtype))
+             if st.stage_chunks else plgpu.SMEM((geo.num_wgs, TL.WG_ROWS, d), st.dtype))
   smem = (_smem_tiled((geo.num_wgs, TL.WG_ROWS, d), st.dtype),
           staging,
           _smem_tiled((geo.stages, geo.block_kv, d), st.dtype),

@@ -18,7 +18,7 @@ import numpy as np
 from kvjax import formats as F
 from kvjax import quant
 from kvjax.spec import KVCacheSpec
-from pallas_kernels.common import f32_to_bytes
+from pallas_kernels.common import f32_from_bytes, f32_to_bytes
 
 #: Cache dtypes both kernels handle.
 SUPPORTED_CACHE_DTYPES = tuple(name for name, fmt in F.CACHE_FORMATS.items()
@@ -115,6 +115,5 @@ class RowCodec:
   @staticmethod
   def _scale_from_bytes(raw):
     """``[..., 4]`` 8-bit storage elements (little endian) -> float32 ``[..., 1]``."""
-    b = quant.to_bits(raw).astype(jnp.uint32)
-    bits = (b[..., 0:1] | (b[..., 1:2] << 8) | (b[..., 2:3] << 16) | (b[..., 3:4] << 24))
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    b = quant.to_bits(raw)
+    return f32_from_bytes(lambda i: b[..., i:i + 1])
