@@ -2,6 +2,8 @@
 
 GPU:  python3 benchmarks/sweep_mosaic_prefill.py [--problems 4x4096,16x1024,1x16384]
           [--configs default,bk=64:stages=4,staging=swizzled] [--rounds 2] [--json FILE]
+      ncu -k regex:kvjax_mgpu_ragged --clock-control none --section SpeedOfLight \
+          python3 benchmarks/sweep_mosaic_prefill.py --configs default --once
 
 Per problem of ``prefill_peers.PROBLEMS`` (bf16, Hq 32, H 8, D 128, block 16, causal, pages
 shuffled, NHD): our kernel in each configuration, ``--rounds`` times over all of them in one
@@ -10,7 +12,8 @@ and in the first round the largest difference of each configuration's output fro
 default's. A configuration is ``default`` or ``key=value`` pairs joined by ``:`` over the
 default tile (``tiles.choose_geometry``): ``bk`` (keys a step), ``stages`` (K/V slots),
 ``bq`` (tokens a tile), ``wgs`` (consumer warpgroups), ``staging`` (``tiles.STAGINGS``).
-A configuration that does not fit shared memory is reported as an error row.
+A configuration that does not fit shared memory is reported as an error row. ``--once``
+runs each configuration once per problem (no timing, no comparison), for a profiler to wrap.
 """
 from __future__ import annotations
 
@@ -64,10 +67,11 @@ def main():
   ap.add_argument("--configs", default=DEFAULT_CONFIGS)
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--once", action="store_true",
+                  help="run each configuration once per problem, untimed (for ncu)")
   args = ap.parse_args()
-  configs = [(c, parse_config(c)) for c in args.configs.split(",")]
-  if configs[0][0] != "default":
-    configs.insert(0, ("default", {}))
+  configs = [("default", {})] + [(c, parse_config(c)) for c in args.configs.split(",")
+                                 if c != "default"]     # the default first: the reference
 
   import jax.numpy as jnp
   import numpy as np
@@ -85,6 +89,15 @@ def main():
   batches = {name: P.paged_batch(rng, spec, ql, cl) for name, ql, cl in problems}
   rows, fns, ref = [], {}, {}
   print(f"{now_utc()} {versions()}", flush=True)
+  if args.once:
+    import jax
+    for name, ql, cl in problems:
+      geo = TL.choose_geometry(P.HQ // P.H, P.D, P.N, max(ql))
+      for label, config in configs:
+        jax.block_until_ready(ours_fn(spec, scale, max(ql), **kernel_kwargs(config, geo))(
+            *batches[name]))
+        print(f"ran {name} {label}", flush=True)
+    return
   for rnd in range(args.rounds):
     for name, ql, cl in problems:
       batch = batches[name]
