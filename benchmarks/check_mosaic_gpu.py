@@ -8,7 +8,8 @@ CPU:  python3 benchmarks/check_mosaic_gpu.py --smoke   (plumbing only: every GPU
 
 The one prefill table (kvjax Triton / Mosaic GPU / auto vs the dense peers, every cache
 format) is ``benchmarks/bench_prefill.py``; this script is the Mosaic GPU kernel's own check
-(every P.V variant, tile geometries, the auto rule). Problems, FLOPs, jitted kvjax calls and
+(every P.V variant, the schedules and stagings, the auto rule; tile geometries:
+``benchmarks/sweep_mosaic_prefill.py``). Problems, FLOPs, jitted kvjax calls and
 the dense peers come from ``benchmarks/prefill_peers.py``.
 
 1. Correctness of every ``acc += P V`` variant of the kernel (``tiles.PV_VARIANTS``: P in
@@ -183,7 +184,7 @@ def run_bench(smoke: bool = False, persistent_only: bool = False, ours_only: boo
   from benchmarks import prefill_peers as P
   from benchmarks.common import time_jax
   from pallas_kernels.mosaic_gpu import tiles as TL
-  from pallas_kernels.mosaic_gpu.tiles import DEFAULT_PV, PV_VARIANTS, TileGeometry
+  from pallas_kernels.mosaic_gpu.tiles import DEFAULT_PV, PV_VARIANTS
   rng = np.random.default_rng(1)
   scale = P.D ** -0.5
   timing = P.SMOKE_TIMING if smoke else P.TIMING
@@ -236,24 +237,10 @@ def run_bench(smoke: bool = False, persistent_only: bool = False, ours_only: boo
         f = ours_fn(spec, scale, mql, ping_pong=False)   # the schedule's own gain
         timed(f"Mosaic GPU (ours, {DEFAULT_PV}, no ping-pong) NHD", problem,
               lambda: time_jax(f, *args, **timing), flops)
-      del args
+      args = None     # the next layout's batch replaces this one's device buffers
     if len(set(ql)) == 1 and not any(cl) and not ours_only:   # dense peers: equal prefills
       for impl, thunk in P.dense_peers(len(ql), ql[0], timing):
         timed(impl, problem, thunk, flops)
-  if ours_only:
-    return
-  # Tile sweep of the default variant on the first problem (NHD): bq, consumer warpgroups,
-  # keys per step, K/V slots; the default tile (tiles.choose_geometry) is bq=32 wgs=2 bk=128.
-  problem, ql, cl = problems[0]
-  flops = P.attention_flops(ql, cl)
-  spec = kvjax.KVCacheSpec(P.H, P.D, P.N, dtype=jnp.bfloat16)
-  args = P.paged_batch(rng, spec, ql, cl)
-  g = P.HQ // P.H
-  for bq, wgs, bk, stages in ((32, 2, 64, 4), (16, 1, 128, 2)):
-    geo = TileGeometry(g, bq, wgs, bk, stages, P.N)
-    f = ours_fn(spec, scale, max(ql), geometry=geo)
-    timed(f"Mosaic GPU (ours, {DEFAULT_PV}) NHD bq={bq} wgs={wgs} bk={bk} stages={stages}",
-          problem, lambda: time_jax(f, *args, **timing), flops)
 
 
 #: (name, q_lens, ctx_lens): batches from pure decode to long prefill, for the rule that says
