@@ -57,14 +57,17 @@ def measure(thunk) -> dict:
 
 
 # -- problems ---------------------------------------------------------------------------------
-def visible_pairs(q_lens, ctx_lens) -> int:
-  """Causal (query, key) pairs: query i of a sequence (0-based) sees ctx + i + 1 keys."""
+def visible_pairs(q_lens, ctx_lens, causal: bool = True) -> int:
+  """(query, key) pairs: causal, query i of a sequence (0-based) sees ctx + i + 1 keys;
+  otherwise every query sees all ctx + q keys."""
+  if not causal:
+    return sum(int(q) * (int(c) + int(q)) for q, c in zip(q_lens, ctx_lens))
   return sum(int(q) * int(c) + int(q) * (int(q) + 1) // 2 for q, c in zip(q_lens, ctx_lens))
 
 
-def attention_flops(q_lens, ctx_lens, hq: int = HQ, d: int = D) -> int:
+def attention_flops(q_lens, ctx_lens, hq: int = HQ, d: int = D, causal: bool = True) -> int:
   """4 * Hq * D * visible pairs (QK^T and PV)."""
-  return 4 * hq * d * visible_pairs(q_lens, ctx_lens)
+  return 4 * hq * d * visible_pairs(q_lens, ctx_lens, causal)
 
 
 def tflops(flops: int, ms: float) -> float:

@@ -11,7 +11,9 @@ process (timings drift between rounds of one job; compare within a round), µs a
 and in the first round the largest difference of each configuration's output from the
 default's. A configuration is ``default`` or ``key=value`` pairs joined by ``:`` over the
 default tile (``tiles.choose_geometry``): ``bk`` (keys a step), ``stages`` (K/V slots),
-``bq`` (tokens a tile), ``wgs`` (consumer warpgroups), ``staging`` (``tiles.STAGINGS``).
+``bq`` (tokens a tile), ``wgs`` (consumer warpgroups), ``staging`` (``tiles.STAGINGS``),
+and the switches ``causal`` and ``pingpong`` (0 or 1; ``causal=0`` attends to every key of
+the sequence, its TFLOP/s counted over all of them).
 A configuration that does not fit shared memory is reported as an error row. ``--once``
 runs each configuration once per problem (no timing, no comparison), for a profiler to wrap.
 """
@@ -28,11 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIGS = ("default,bk=64:stages=4,bk=64:stages=5:staging=swizzled,bk=64:stages=3,"
                    "staging=swizzled,bq=16:wgs=1")
 _GEOMETRY_KEYS = {"bk": "block_kv", "stages": "stages", "bq": "bq", "wgs": "num_wgs"}
+#: Switches of ``ragged_paged_attention_tiled`` (0 or 1).
+_SWITCH_KEYS = {"causal": "causal", "pingpong": "ping_pong"}
 
 
 def parse_config(text: str) -> dict:
   """``"bk=64:stages=4"`` -> ``{"block_kv": 64, "stages": 4}``; ``"default"`` -> ``{}``;
-  ``staging=NAME`` is kept as a string. Unknown keys raise ValueError naming them."""
+  ``staging=NAME`` is kept as a string, ``causal`` / ``pingpong`` become booleans. Unknown
+  keys and switch values other than 0 / 1 raise ValueError naming them."""
   if text == "default":
     return {}
   out = {}
@@ -44,20 +49,23 @@ def parse_config(text: str) -> dict:
       out["staging"] = value
     elif key in _GEOMETRY_KEYS:
       out[_GEOMETRY_KEYS[key]] = int(value)
+    elif key in _SWITCH_KEYS:
+      if value not in ("0", "1"):
+        raise ValueError(f"configuration {text!r}: {key} must be 0 or 1, got {value!r}")
+      out[_SWITCH_KEYS[key]] = value == "1"
     else:
       raise ValueError(f"configuration {text!r}: unknown key {key!r} (expected one of "
-                       f"{sorted(_GEOMETRY_KEYS) + ['staging']})")
+                       f"{sorted(_GEOMETRY_KEYS) + sorted(_SWITCH_KEYS) + ['staging']})")
   return out
 
 
 def kernel_kwargs(config: dict, default_geometry) -> dict:
   """The ``ragged_paged_attention_tiled`` keywords of a parsed configuration."""
-  kw = {}
-  geo_changes = {k: v for k, v in config.items() if k != "staging"}
+  passed = ("staging",) + tuple(_SWITCH_KEYS.values())
+  kw = {k: v for k, v in config.items() if k in passed}
+  geo_changes = {k: v for k, v in config.items() if k not in passed}
   if geo_changes:
     kw["geometry"] = dataclasses.replace(default_geometry, **geo_changes)
-  if "staging" in config:
-    kw["staging"] = config["staging"]
   return kw
 
 
@@ -93,10 +101,11 @@ def main():
   for rnd in range(1 if args.once else args.rounds):
     for name, ql, cl in problems:
       batch = batches[name]
-      flops, mql = P.attention_flops(ql, cl), max(ql)
+      mql = max(ql)
       geo = TL.choose_geometry(P.HQ // P.H, P.D, P.N, mql)
       for label, config in configs:
         row = dict(round=rnd, problem=name, config=label)
+        flops = P.attention_flops(ql, cl, causal=config.get("causal", True))
         try:
           if (name, label) not in fns:
             fns[name, label] = ours_fn(spec, scale, mql, **kernel_kwargs(config, geo))
@@ -105,7 +114,7 @@ def main():
             jax.block_until_ready(f(*batch))
             row["ran"] = True
           else:
-            if rnd == 0:
+            if rnd == 0 and config.get("causal", True):   # non-causal: other numbers
               out = np.asarray(f(*batch), np.float32)
               ref.setdefault(name, out)
               row["max_diff_vs_default"] = float(np.max(np.abs(out - ref[name])))

@@ -24,6 +24,8 @@ def test_visible_pairs_count_the_causal_mask(rng):
                    zip(q_lens, ctx_lens))
   assert P.visible_pairs(q_lens, ctx_lens) == mask_pairs
   assert P.attention_flops(q_lens, ctx_lens, hq=6, d=16) == 4 * 6 * 16 * mask_pairs
+  full = sum(int(q) * (int(c) + int(q)) for q, c in zip(q_lens, ctx_lens))
+  assert P.visible_pairs(q_lens, ctx_lens, causal=False) == full > mask_pairs
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8_per_token_head"])

@@ -14,6 +14,10 @@ def test_configurations_become_kernel_keywords():
   assert (kw["geometry"].block_kv, kw["geometry"].stages) == (64, 5)
   assert (kw["geometry"].bq, kw["geometry"].num_wgs) == (geo.bq, geo.num_wgs)
   assert S.kernel_kwargs(S.parse_config("staging=plain"), geo) == {"staging": "plain"}
+  assert S.kernel_kwargs(S.parse_config("causal=0:pingpong=1"), geo) == {
+      "causal": False, "ping_pong": True}
+  kw = S.kernel_kwargs(S.parse_config("bq=16:causal=1"), geo)
+  assert kw["causal"] is True and kw["geometry"].bq == 16
 
 
 def test_every_default_configuration_fits_shared_memory():
@@ -27,7 +31,8 @@ def test_every_default_configuration_fits_shared_memory():
 
 @pytest.mark.parametrize("text,needle", [("bk64", "'bk64' is not key=value"),
                                          ("blocks=3", "unknown key 'blocks'"),
-                                         ("bk=", "is not key=value")])
+                                         ("bk=", "is not key=value"),
+                                         ("causal=yes", "causal must be 0 or 1")])
 def test_bad_configurations_are_named(text, needle):
   with pytest.raises(ValueError, match=needle):
     S.parse_config(text)
