@@ -12,8 +12,9 @@ and in the first round the largest difference of each configuration's output fro
 default's. A configuration is ``default`` or ``key=value`` pairs joined by ``:`` over the
 default tile (``tiles.choose_geometry``): ``bk`` (keys a step), ``stages`` (K/V slots),
 ``bq`` (tokens a tile), ``wgs`` (consumer warpgroups), ``staging`` (``tiles.STAGINGS``),
-and the switches ``causal`` and ``pingpong`` (0 or 1; ``causal=0`` attends to every key of
-the sequence, its TFLOP/s counted over all of them).
+the switches ``causal`` and ``pingpong`` (0 or 1; ``causal=0`` attends to every key of
+the sequence, its TFLOP/s counted over all of them) and ``regs=CONSUMER/PRODUCER``
+(registers a thread of each warpgroup, e.g. ``regs=240/24``).
 A configuration that does not fit shared memory is reported as an error row. ``--once``
 runs each configuration once per problem (no timing, no comparison), for a profiler to wrap.
 """
@@ -28,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DEFAULT_CONFIGS = ("default,bk=64:stages=4,bk=64:stages=5:staging=swizzled,bk=64:stages=3,"
-                   "staging=swizzled,bq=16:wgs=1")
+                   "staging=swizzled,bq=16:wgs=1,regs=240/24")
 _GEOMETRY_KEYS = {"bk": "block_kv", "stages": "stages", "bq": "bq", "wgs": "num_wgs"}
 #: Switches of ``ragged_paged_attention_tiled`` (0 or 1).
 _SWITCH_KEYS = {"causal": "causal", "pingpong": "ping_pong"}
@@ -36,8 +37,9 @@ _SWITCH_KEYS = {"causal": "causal", "pingpong": "ping_pong"}
 
 def parse_config(text: str) -> dict:
   """``"bk=64:stages=4"`` -> ``{"block_kv": 64, "stages": 4}``; ``"default"`` -> ``{}``;
-  ``staging=NAME`` is kept as a string, ``causal`` / ``pingpong`` become booleans. Unknown
-  keys and switch values other than 0 / 1 raise ValueError naming them."""
+  ``staging=NAME`` is kept as a string, ``causal`` / ``pingpong`` become booleans,
+  ``regs=240/24`` the pair ``(240, 24)``. Unknown keys, switch values other than 0 / 1 and
+  register pairs that are not two integers raise ValueError naming them."""
   if text == "default":
     return {}
   out = {}
@@ -47,6 +49,12 @@ def parse_config(text: str) -> dict:
       raise ValueError(f"configuration {text!r}: {part!r} is not key=value")
     if key == "staging":
       out["staging"] = value
+    elif key == "regs":
+      pair = value.split("/")
+      if len(pair) != 2 or not all(p.isdigit() for p in pair):
+        raise ValueError(f"configuration {text!r}: regs must be CONSUMER/PRODUCER, got "
+                         f"{value!r}")
+      out["registers"] = (int(pair[0]), int(pair[1]))
     elif key in _GEOMETRY_KEYS:
       out[_GEOMETRY_KEYS[key]] = int(value)
     elif key in _SWITCH_KEYS:
@@ -55,13 +63,13 @@ def parse_config(text: str) -> dict:
       out[_SWITCH_KEYS[key]] = value == "1"
     else:
       raise ValueError(f"configuration {text!r}: unknown key {key!r} (expected one of "
-                       f"{sorted(_GEOMETRY_KEYS) + sorted(_SWITCH_KEYS) + ['staging']})")
+                       f"{sorted(_GEOMETRY_KEYS) + sorted(_SWITCH_KEYS) + ['regs', 'staging']})")
   return out
 
 
 def kernel_kwargs(config: dict, default_geometry) -> dict:
   """The ``ragged_paged_attention_tiled`` keywords of a parsed configuration."""
-  passed = ("staging",) + tuple(_SWITCH_KEYS.values())
+  passed = ("staging", "registers") + tuple(_SWITCH_KEYS.values())
   kw = {k: v for k, v in config.items() if k in passed}
   geo_changes = {k: v for k, v in config.items() if k not in passed}
   if geo_changes:

@@ -227,6 +227,36 @@ def test_lowers_with_a_traced_softmax_scale():
   assert "mosaic_gpu" in text
 
 
+def test_register_split_is_checked_and_reaches_the_kernel():
+  """The default split is what the kernel always set (two consumers 232, one 240; the
+  producer 40); a chosen split reaches both warpgroups' set_max_registers; a split off the
+  multiples of 8 or over the launch's registers is named."""
+  from pallas_kernels.mosaic_gpu import kernel as K
+  assert K.default_registers(2) == (232, 40) and K.default_registers(1) == (240, 40)
+  for wgs in (1, 2):
+    consumer, producer = K.default_registers(wgs)
+    assert wgs * consumer + producer <= K.register_pool(wgs) * (wgs + 1)
+  spec = kvjax.KVCacheSpec(2, 128, 16, dtype=jnp.bfloat16)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+
+  def jaxpr_text(registers):
+    def f(q, c, qsl, sl, bt):
+      return ragged_paged_attention_tiled(q, c, spec, query_start_loc=qsl, seq_lens=sl,
+                                          block_table=bt, scale=0.1, max_query_len=64,
+                                          num_programs=3, registers=registers)
+    return str(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((77, 8, 128), jnp.bfloat16),
+                                 jax.ShapeDtypeStruct(spec.physical_shape(32), jnp.bfloat16),
+                                 i32(5), i32(4), i32(4, 8)))
+  for registers, (up, down) in [(None, (232, 40)), ((240, 24), (240, 24))]:
+    text = jaxpr_text(registers)
+    assert f"set_max_registers_p[action=increase] {up}:" in text
+    assert f"set_max_registers_p[action=decrease] {down}:" in text
+  with pytest.raises(ValueError, match=r"multiples of 8 in \[24, 256\], got \(244, 24\)"):
+    jaxpr_text((244, 24))
+  with pytest.raises(ValueError, match="need 520 a thread .* the launch gives 504"):
+    jaxpr_text((248, 24))
+
+
 # -- TMA alignment ---------------------------------------------------------------------------
 def _gmem_to_smem_copies(closed_jaxpr):
   """(source shape, lands in a tiled buffer) of every GMEM -> SMEM copy in the traced kernel."""

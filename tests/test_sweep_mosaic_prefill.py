@@ -18,6 +18,7 @@ def test_configurations_become_kernel_keywords():
       "causal": False, "ping_pong": True}
   kw = S.kernel_kwargs(S.parse_config("bq=16:causal=1"), geo)
   assert kw["causal"] is True and kw["geometry"].bq == 16
+  assert S.kernel_kwargs(S.parse_config("regs=240/24"), geo) == {"registers": (240, 24)}
 
 
 def test_every_default_configuration_fits_shared_memory():
@@ -32,7 +33,8 @@ def test_every_default_configuration_fits_shared_memory():
 @pytest.mark.parametrize("text,needle", [("bk64", "'bk64' is not key=value"),
                                          ("blocks=3", "unknown key 'blocks'"),
                                          ("bk=", "is not key=value"),
-                                         ("causal=yes", "causal must be 0 or 1")])
+                                         ("causal=yes", "causal must be 0 or 1"),
+                                         ("regs=240", "regs must be CONSUMER/PRODUCER")])
 def test_bad_configurations_are_named(text, needle):
   with pytest.raises(ValueError, match=needle):
     S.parse_config(text)

@@ -89,6 +89,8 @@ class KernelStatics:
                              # (0: one block per work item)
   staging: str = TL.STAGING_PLAIN   # how q and the output pass through shared memory
                                     # (tiles.STAGINGS, tiles.choose_staging)
+  registers: Optional[tuple[int, int]] = None   # (consumer, producer) registers a thread
+                                                # after the split; None: default_registers
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:
@@ -100,6 +102,13 @@ class KernelStatics:
       raise ValueError(f"staging {self.staging!r} is not one of {TL.STAGINGS}")
     if self.num_programs < 0:
       raise ValueError(f"num_programs={self.num_programs} must be >= 0")
+    if self.registers is not None:
+      check_registers(self.registers, self.geo.num_wgs)
+
+  @property
+  def register_split(self) -> tuple[int, int]:
+    """(consumer, producer) registers a thread the warpgroups set at their start."""
+    return self.registers or default_registers(self.geo.num_wgs)
 
   @property
   def num_items(self) -> int:
@@ -116,6 +125,37 @@ class KernelStatics:
   def grid_size(self) -> int:
     """CUDA blocks launched: ``num_programs`` (at most one per work item), or one per item."""
     return min(self.num_programs or self.num_items, self.num_items)
+
+
+#: Registers of the block's threads together: 64 K per SM, one block per SM.
+_REGISTER_FILE = 64 * 1024
+_WG_THREADS = 128
+
+
+def register_pool(num_wgs: int) -> int:
+  """Registers a thread of each warpgroup may hold on average: what ptxas gives every
+  thread at launch (the register file over the block's threads, rounded down to 8)."""
+  return _REGISTER_FILE // (_WG_THREADS * (num_wgs + 1)) // 8 * 8
+
+
+def default_registers(num_wgs: int) -> tuple[int, int]:
+  """(consumer, producer) registers a thread: the producer keeps 40, the consumers share
+  the rest up to 240 (two consumers: 232 each)."""
+  return min(240, (register_pool(num_wgs) * (num_wgs + 1) - 40) // num_wgs // 8 * 8), 40
+
+
+def check_registers(registers, num_wgs: int) -> None:
+  """ValueError unless ``registers`` is a (consumer, producer) pair of multiples of 8 in
+  [24, 256] whose total over the block's warpgroups fits the launch's pool."""
+  ok = (isinstance(registers, tuple) and len(registers) == 2
+        and all(isinstance(r, int) and r % 8 == 0 and 24 <= r <= 256 for r in registers))
+  if not ok:
+    raise ValueError(f"registers must be (consumer, producer), multiples of 8 in [24, 256], "
+                     f"got {registers!r}")
+  total, pool = num_wgs * registers[0] + registers[1], register_pool(num_wgs) * (num_wgs + 1)
+  if total > pool:
+    raise ValueError(f"registers {registers} need {total} a thread over {num_wgs} consumer "
+                     f"warpgroups and the producer; the launch gives {pool}")
 
 
 def _smem_tiled(shape, dtype):
@@ -205,7 +245,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
 
   @pl.when(wg < geo.num_wgs)
   def _consumer():
-    plgpu.set_max_registers(232 if geo.num_wgs == 2 else 240, action="increase")
+    plgpu.set_max_registers(st.register_split[0], action="increase")
     shape = (TL.WG_ROWS, bk)
     row = cast(lax.broadcasted_iota(jnp.int32, shape, 0), wgmma_layout) + wg * TL.WG_ROWS
     col = cast(lax.broadcasted_iota(jnp.int32, shape, 1), wgmma_layout)
@@ -376,7 +416,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
 
   @pl.when(wg == geo.num_wgs)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(st.register_split[1], action="decrease")
     piece = geo.piece
 
     def item(w, base):

@@ -164,12 +164,14 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  max_query_len=None, interpret=False, pv=None,
                                  geometry: TL.TileGeometry | None = None,
                                  ping_pong: bool = True, num_programs: int | None = None,
-                                 staging: str | None = None):
+                                 staging: str | None = None,
+                                 registers: tuple[int, int] | None = None):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), the ping-pong schedule of two consumer warpgroups
   switchable (``kernel.py``), the number of CUDA blocks (None: :func:`default_programs`;
-  0: one per work item) and how q and the output pass through shared memory (None:
-  :func:`tiles.choose_staging`; one of ``tiles.STAGINGS``), for benchmark sweeps."""
+  0: one per work item), how q and the output pass through shared memory (None:
+  :func:`tiles.choose_staging`; one of ``tiles.STAGINGS``) and the (consumer, producer)
+  registers a thread (None: ``kernel.default_registers``), for benchmark sweeps."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
@@ -218,7 +220,7 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       scale=static_or_none(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv,
       ping_pong=bool(ping_pong),
       num_programs=default_programs(interpret) if num_programs is None else int(num_programs),
-      staging=staging)
+      staging=staging, registers=None if registers is None else tuple(registers))
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   traced_scale = None if st.scale is not None else jnp.asarray(scale, jnp.float32).reshape(1)
