@@ -17,6 +17,8 @@ the sequence, its TFLOP/s counted over all of them) and ``regs=CONSUMER/PRODUCER
 (registers a thread of each warpgroup, e.g. ``regs=240/24``).
 A configuration that does not fit shared memory is reported as an error row. ``--once``
 runs each configuration once per problem (no timing, no comparison), for a profiler to wrap.
+With ``--rounds 1`` it can be timed on several source trees by ``benchmarks/ab.py run`` (its
+rows are matched on problem and configuration).
 """
 from __future__ import annotations
 
@@ -112,7 +114,7 @@ def main():
       mql = max(ql)
       geo = TL.choose_geometry(P.HQ // P.H, P.D, P.N, mql)
       for label, config in configs:
-        row = dict(round=rnd, problem=name, config=label)
+        row = dict(round=rnd, problem=name, variant=label)   # "variant": ab.py's row key
         flops = P.attention_flops(ql, cl, causal=config.get("causal", True))
         try:
           if (name, label) not in fns:

@@ -103,3 +103,14 @@ def test_prefill_rows_match_on_implementation_and_problem():
       "head": [[row("Mosaic GPU NHD", "4x4096", 1000.0), row("Mosaic GPU NHD", "16x1024", 450.0)]]})
   by_problem = {r["key"]["problem"]: r["ratio"] for r in table}
   assert by_problem == pytest.approx({"4x4096": 1000 / 1100, "16x1024": 0.9})
+
+
+def test_sweep_rows_match_on_problem_and_configuration():
+  """sweep_mosaic_prefill.py's rows (round, problem, variant: the configuration, us) pair up
+  per configuration."""
+  row = lambda problem, config, us: dict(round=0, problem=problem, variant=config, us=us)
+  table = ab.compare({
+      "base": [[row("4x4096", "default", 1000.0), row("4x4096", "regs=240/24", 990.0)]],
+      "head": [[row("4x4096", "default", 900.0), row("4x4096", "regs=240/24", 1089.0)]]})
+  by_config = {r["key"]["variant"]: r["ratio"] for r in table}
+  assert by_config == pytest.approx({"default": 0.9, "regs=240/24": 1.1})
