@@ -35,6 +35,7 @@ DEFAULT_CONFIGS = ("default,bk=64:stages=4,bk=64:stages=5:staging=swizzled,bk=64
 _GEOMETRY_KEYS = {"bk": "block_kv", "stages": "stages", "bq": "bq", "wgs": "num_wgs"}
 #: Switches of ``ragged_paged_attention_tiled`` (0 or 1).
 _SWITCH_KEYS = {"causal": "causal", "pingpong": "ping_pong"}
+_KEYS = sorted([*_GEOMETRY_KEYS, *_SWITCH_KEYS, "regs", "staging"])
 
 
 def parse_config(text: str) -> dict:
@@ -65,15 +66,16 @@ def parse_config(text: str) -> dict:
       out[_SWITCH_KEYS[key]] = value == "1"
     else:
       raise ValueError(f"configuration {text!r}: unknown key {key!r} (expected one of "
-                       f"{sorted(_GEOMETRY_KEYS) + sorted(_SWITCH_KEYS) + ['regs', 'staging']})")
+                       f"{_KEYS})")
   return out
 
 
 def kernel_kwargs(config: dict, default_geometry) -> dict:
-  """The ``ragged_paged_attention_tiled`` keywords of a parsed configuration."""
-  passed = ("staging", "registers") + tuple(_SWITCH_KEYS.values())
-  kw = {k: v for k, v in config.items() if k in passed}
-  geo_changes = {k: v for k, v in config.items() if k not in passed}
+  """The ``ragged_paged_attention_tiled`` keywords of a parsed configuration: the tile
+  geometry's fields as one ``geometry``, every other key as it is."""
+  geo_fields = set(_GEOMETRY_KEYS.values())
+  kw = {k: v for k, v in config.items() if k not in geo_fields}
+  geo_changes = {k: v for k, v in config.items() if k in geo_fields}
   if geo_changes:
     kw["geometry"] = dataclasses.replace(default_geometry, **geo_changes)
   return kw

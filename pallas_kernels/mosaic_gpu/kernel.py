@@ -132,16 +132,17 @@ _REGISTER_FILE = 64 * 1024
 _WG_THREADS = 128
 
 
-def register_pool(num_wgs: int) -> int:
-  """Registers a thread of each warpgroup may hold on average: what ptxas gives every
-  thread at launch (the register file over the block's threads, rounded down to 8)."""
-  return _REGISTER_FILE // (_WG_THREADS * (num_wgs + 1)) // 8 * 8
+def register_budget(num_wgs: int) -> int:
+  """Registers one thread of each warpgroup (the consumers and the producer) hold together:
+  what ptxas gives every thread at launch (the register file over the block's threads,
+  rounded down to 8) times the warpgroups."""
+  return _REGISTER_FILE // (_WG_THREADS * (num_wgs + 1)) // 8 * 8 * (num_wgs + 1)
 
 
 def default_registers(num_wgs: int) -> tuple[int, int]:
   """(consumer, producer) registers a thread: the producer keeps 40, the consumers share
   the rest up to 240 (two consumers: 232 each)."""
-  return min(240, (register_pool(num_wgs) * (num_wgs + 1) - 40) // num_wgs // 8 * 8), 40
+  return min(240, (register_budget(num_wgs) - 40) // num_wgs // 8 * 8), 40
 
 
 def check_registers(registers, num_wgs: int) -> None:
@@ -152,10 +153,10 @@ def check_registers(registers, num_wgs: int) -> None:
   if not ok:
     raise ValueError(f"registers must be (consumer, producer), multiples of 8 in [24, 256], "
                      f"got {registers!r}")
-  total, pool = num_wgs * registers[0] + registers[1], register_pool(num_wgs) * (num_wgs + 1)
-  if total > pool:
+  total, budget = num_wgs * registers[0] + registers[1], register_budget(num_wgs)
+  if total > budget:
     raise ValueError(f"registers {registers} need {total} a thread over {num_wgs} consumer "
-                     f"warpgroups and the producer; the launch gives {pool}")
+                     f"warpgroups and the producer; the launch gives {budget}")
 
 
 def _smem_tiled(shape, dtype):
