@@ -3,6 +3,9 @@
 GPU (H200):  PYTHONUNBUFFERED=1 python3 benchmarks/sweep_decode.py [--shape 64x4096 ...]
              [--formats fp8,nvfp4] [--json PATH]
 CPU smoke:   python benchmarks/sweep_decode.py --smoke
+Profiler:    ncu -k regex:kvjax_paged_decode --section SourceCounters -o prof \
+                 python3 benchmarks/sweep_decode.py --once --formats int8_per_token_head \
+                 --layouts NHD --variants default
 
 For every cache format and layout, times the paged decode kernel
 (:func:`pallas_kernels.triton.decode.paged_decode_attention`) under each configuration of
@@ -64,6 +67,12 @@ VARIANTS = {
     # 2 warps: fewer instructions a key in the sm_90 machine code (int4 45.5 -> 31.8, fp8 per
     # token-head 39.5 -> 27.2 with 2 stages; benchmarks/triton_sass.py), fewer warps an SM
     "w2_s2": {"num_warps": 2, "num_stages": 2},
+    # more warps an SM for the latency-bound per-token-head formats (ncu, 2026-12-03: 136
+    # registers a thread, 3 blocks an SM, 18 % achieved occupancy), more steps in flight
+    "t32_s4": {"tokens_per_step": 32, "num_stages": 4},
+    "t32_s5": {"tokens_per_step": 32, "num_stages": 5},
+    "page_ids": {"page_block_ids": True},
+    "key_ids": {"page_block_ids": False},
 }
 
 
@@ -80,11 +89,21 @@ def temp_bytes(batch, ctx, cd, layout, cfg):
 
 #: Variants whose numerics differ (operand dtype, decode path): each is checked against the
 #: reference before it is timed; the others only reorder the same arithmetic.
-CHECKED = ("default", "bytes", "bf16_ops", "f16_convert", "byte_scales")
+CHECKED = ("default", "bytes", "bf16_ops", "f16_convert", "byte_scales", "page_ids", "key_ids")
 
 
 def layouts(cd):
   return ("HND",) if cd == "nvfp4" else ("NHD", "HND")
+
+
+def run_once(batch, ctx, cd, layout, cfg, interpret):
+  """One decode step, untimed and unchecked (``--once``: a profiler's launch)."""
+  from pallas_kernels.triton.decode import paged_decode_attention
+  spec, q, cache, sl, bt = BD.our_problem(batch, ctx, cd, layout)
+  ks = 1.0 if cd.startswith("fp8") else None
+  jax.block_until_ready(jax.jit(lambda q, c, sl, bt: paged_decode_attention(
+      q, c, spec, seq_lens=sl, block_table=bt, scale=spec.head_size ** -0.5, k_scale=ks,
+      v_scale=ks, config=cfg, interpret=interpret))(q, cache, sl, bt))
 
 
 def check(cd, layout, cfg, interpret):
@@ -111,6 +130,9 @@ def main():
   ap.add_argument("--shape", action="append", default=None, help="BATCHxCONTEXT (repeatable)")
   ap.add_argument("--formats", default=",".join(FORMATS))
   ap.add_argument("--variants", default=",".join(VARIANTS))
+  ap.add_argument("--layouts", default="NHD,HND", help="of NHD, HND (nvfp4: HND only)")
+  ap.add_argument("--once", action="store_true",
+                  help="run each configuration once, untimed and unchecked (for a profiler)")
   ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings "
                   "after this many seconds")
   ap.add_argument("--json", default=None)
@@ -131,7 +153,7 @@ def main():
     for cd in formats:
       item = kvjax.KVCacheSpec(num_kv_heads=8, head_size=128, block_size=16, cache_dtype=cd,
                                layout="HND").page_bytes / (16 * 8 * 2 * 128)
-      for layout in layouts(cd):
+      for layout in (x for x in layouts(cd) if x in args.layouts.split(",")):
         for name in (["default"] if cd == "bfloat16" else variants):
           if time.time() - t0 > args.budget_s:
             print(f"  budget spent: skipping {cd} {layout} {name}", flush=True)
@@ -139,6 +161,10 @@ def main():
           spec = kvjax.KVCacheSpec(num_kv_heads=8, head_size=128, block_size=16,
                                    cache_dtype=cd, layout=layout)
           cfg = dataclasses.replace(default_config(spec), **VARIANTS[name])
+          if args.once:
+            run_once(batch, ctx, cd, layout, cfg, interpret)
+            print(f"  {cd:20s} {layout} {batch:4d}x{ctx:<6d} {name:14s} ran once", flush=True)
+            continue
           r = dict(cache_dtype=cd, layout=layout, variant=name, batch=batch, context=ctx,
                    config=BD.cfg_name(cfg))
           try:

@@ -128,6 +128,20 @@ def test_configs_agree(rng, config):
   _run(rng, "bfloat16", "NHD", lens=(1, 100, 0), window=60, config=config)
 
 
+@pytest.mark.parametrize("cache_dtype,layout,n,tokens", [
+    ("int8_per_token_head", "HND", 16, 64),     # 4 pages a step
+    ("bfloat16", "NHD", 32, 32),                # one page a step
+    pytest.param("int4_per_token_head", "NHD", 16, 32, marks=pytest.mark.slow),
+    pytest.param("fp8", "HND", 48, 64, marks=pytest.mark.slow)])  # not whole pages: a key each
+def test_block_ids_read_once_a_page(rng, cache_dtype, layout, n, tokens):
+  """page_block_ids: a step's block ids read once a page (out-of-range and poisoned table
+  entries past each sequence's pages, a window, two splits) agree with the reference."""
+  per_tensor = kvjax.KVCacheSpec(2, 64, n, cache_dtype, layout=layout).format.has_tensor_scales
+  ks, vs = (0.5, 2.0) if per_tensor else (None, None)
+  _run(rng, cache_dtype, layout, n=n, lens=(1, 100, 0, 33), window=70, k_scale=ks, v_scale=vs,
+       config=DecodeConfig(page_block_ids=True, tokens_per_step=tokens, num_splits=2))
+
+
 @pytest.mark.parametrize("cache_dtype,layout,d,pairs", [
     ("fp8", "NHD", 64, True),
     ("int8_per_token_head", "HND", 80, True),

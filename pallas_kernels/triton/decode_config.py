@@ -41,6 +41,11 @@ class DecodeConfig:
       as uint16 words of two codes, split into even / odd head-dim operands in registers
       (:mod:`pallas_kernels.triton.pairs`), int4 and nvfp4 as uint16 words of four codes
       split into four head-dim parts; False reads bytes.
+    page_block_ids: read a step's block ids once a page and spread each over the page's keys
+      (steps of whole pages), instead of once a key. In the sm_90 machine code the
+      per-token-head formats issue 5-12 % fewer instructions a step (fp8 per tensor 10 %
+      more), but on the H200 no format got faster by more than the spread between runs
+      (64 x 4096, 2026-12-03): off by default.
   """
   tokens_per_step: int = 64
   num_splits: Optional[int] = None
@@ -53,6 +58,7 @@ class DecodeConfig:
   scale_words: bool = True
   compute_dtype: Optional[str] = None
   pair_codes: bool = True
+  page_block_ids: bool = False
 
   def __post_init__(self):
     t = self.tokens_per_step

@@ -40,7 +40,7 @@ LOG2E = math.log2(math.e)
 def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *refs,
                    tf: TileFormat, num_views: int, step_tokens: int, num_splits: int,
                    num_blocks: int, max_blocks: int, group_pad: int, scale, window, soft_cap,
-                   has_sinks: bool, prefetch: bool):
+                   has_sinks: bool, prefetch: bool, page_block_ids: bool):
   views, out_refs = refs[:num_views], refs[num_views:]
   s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_step, n = step_tokens, tf.block_size
@@ -82,13 +82,22 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
     tok = i * t_step + iota
     return tok, (tok < seq_len) & (tok >= lo_tok)
 
+  # tok >= 0: C-style lax.div / lax.rem (jnp's // and % add sign fix-ups per element)
+  def block_ids(i):
+    """int32 [T]: the block id of each key of step i (a load a key, or a load a page spread
+    over its keys)."""
+    if not page_block_ids or t_step % n:
+      bidx = jnp.minimum(lax.div(i * t_step + iota, n), max_blocks - 1)
+      return pltriton.load(bt_ref.at[(seq_c, bidx)])
+    pages = t_step // n
+    pidx = jnp.minimum(i * pages + jnp.arange(pages, dtype=jnp.int32), max_blocks - 1)
+    per_page = pltriton.load(bt_ref.at[(seq_c, pidx)])
+    return jnp.broadcast_to(per_page[:, None], (pages, n)).reshape(t_step)
+
   def load_step(i, in_range):
     tok, valid = visible(i)
     valid = valid & in_range
-    # tok >= 0: C-style lax.div / lax.rem (jnp's // and % add sign fix-ups per element)
-    bidx = jnp.minimum(lax.div(tok, n), max_blocks - 1)
-    blk = pltriton.load(bt_ref.at[(seq_c, bidx)])
-    blk = RB.clamp_blocks(blk, num_blocks)                  # kvjax.ragged_batch rule 4
+    blk = RB.clamp_blocks(block_ids(i), num_blocks)         # kvjax.ragged_batch rule 4
     return tf.load_kv(cache_ref, blk, lax.rem(tok, n), h, valid,
                       views)
 
@@ -181,7 +190,7 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
       _decode_kernel, tf=tf, step_tokens=config.step_tokens(tf.block_size),
       num_splits=num_splits, num_blocks=pages.shape[0], max_blocks=block_table.shape[1],
       group_pad=gp, scale=scale, window=window, soft_cap=soft_cap, has_sinks=has_sinks,
-      prefetch=config.prefetch, num_views=len(views))
+      prefetch=config.prefetch, page_block_ids=config.page_block_ids, num_views=len(views))
   whole = pl.BlockSpec(memory_space=pl.ANY)
   f32 = jnp.float32
   if num_splits == 1:
