@@ -72,7 +72,6 @@ VARIANTS = {
     "t32_s4": {"tokens_per_step": 32, "num_stages": 4},
     "t32_s5": {"tokens_per_step": 32, "num_stages": 5},
     "page_ids": {"page_block_ids": True},
-    "key_ids": {"page_block_ids": False},
 }
 
 
@@ -89,7 +88,7 @@ def temp_bytes(batch, ctx, cd, layout, cfg):
 
 #: Variants whose numerics differ (operand dtype, decode path): each is checked against the
 #: reference before it is timed; the others only reorder the same arithmetic.
-CHECKED = ("default", "bytes", "bf16_ops", "f16_convert", "byte_scales", "page_ids", "key_ids")
+CHECKED = ("default", "bytes", "bf16_ops", "f16_convert", "byte_scales", "page_ids")
 
 
 def layouts(cd):
