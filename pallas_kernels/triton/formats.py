@@ -444,9 +444,10 @@ class PairFormat(WordRows, RowFormat):
 
   @property
   def decode_defaults(self) -> dict:
-    """Without row scales (fp8 per tensor) 128 keys a step in 2 stages: 96 -> 140 registers
-    a thread, 3 blocks an SM with 32 KiB of keys each (H200, 64 x 4096 and 256 x 1024: 0-11 %
-    faster than 64 keys; the row-scaled formats 15-30 % slower with 128)."""
+    """Without row scales (fp8 per tensor) 128 keys a step in 2 stages: 3 blocks an SM with
+    32 KiB of keys each (168 registers a thread in jaxlib's build, ncu 2026-12-03; H200,
+    64 x 4096 and 256 x 1024: 0-11 % faster than 64 keys; the row-scaled formats 15-30 %
+    slower with 128)."""
     return {} if self.row_scaled else {"tokens_per_step": 128, "num_stages": 2}
 
   def _qk(self, q_parts, k):
