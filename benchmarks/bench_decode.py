@@ -219,15 +219,21 @@ def our_problem(batch, ctx, cache_dtype, layout, seed=0, h=H, d=D, n=N):
   return spec, q, cache, sl, bt
 
 
-def time_ours(batch, ctx, cache_dtype, layout, config, interpret=False, **geo):
+def our_step(batch, ctx, cache_dtype, layout, config, interpret=False, **geo):
+  """(one decode step of our Triton kernel as a function, its arguments (q, cache, seq_lens,
+  block_table)) on :func:`our_problem`."""
   spec, q, cache, sl, bt = our_problem(batch, ctx, cache_dtype, layout, **geo)
   ks = 1.0 if cache_dtype.startswith("fp8") else None
   step = lambda q, c, sl, bt: paged_decode_attention(
       q, c, spec, seq_lens=sl, block_table=bt, scale=spec.head_size ** -0.5, k_scale=ks,
       v_scale=ks, interpret=interpret, config=config)
-  ms = common.time_jax_chained(step, q, cache, sl, bt, chain=1 if interpret else CHAIN,
+  return step, (q, cache, sl, bt)
+
+
+def time_ours(batch, ctx, cache_dtype, layout, config, interpret=False, **geo):
+  step, args = our_step(batch, ctx, cache_dtype, layout, config, interpret, **geo)
+  ms = common.time_jax_chained(step, *args, chain=1 if interpret else CHAIN,
                                reps=3 if interpret else 5, inner=1 if interpret else 5)
-  del cache
   return ms
 
 

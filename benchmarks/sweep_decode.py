@@ -77,13 +77,8 @@ VARIANTS = {
 
 def temp_bytes(batch, ctx, cd, layout, cfg):
   """Temporary device bytes of the compiled decode step (a copy of the cache shows here)."""
-  from pallas_kernels.triton.decode import paged_decode_attention
-  spec, q, cache, sl, bt = BD.our_problem(batch, ctx, cd, layout)
-  ks = 1.0 if cd in ("fp8", "nvfp4") else None
-  f = jax.jit(lambda q, c, sl, bt: paged_decode_attention(
-      q, c, spec, seq_lens=sl, block_table=bt, scale=0.088, k_scale=ks, v_scale=ks,
-      config=cfg))
-  mem = f.lower(q, cache, sl, bt).compile().memory_analysis()
+  step, args = BD.our_step(batch, ctx, cd, layout, cfg)
+  mem = jax.jit(step).lower(*args).compile().memory_analysis()
   return None if mem is None else int(mem.temp_size_in_bytes)
 
 #: Variants whose numerics differ (operand dtype, decode path): each is checked against the
@@ -97,12 +92,8 @@ def layouts(cd):
 
 def run_once(batch, ctx, cd, layout, cfg, interpret):
   """One decode step, untimed and unchecked (``--once``: a profiler's launch)."""
-  from pallas_kernels.triton.decode import paged_decode_attention
-  spec, q, cache, sl, bt = BD.our_problem(batch, ctx, cd, layout)
-  ks = 1.0 if cd.startswith("fp8") else None
-  jax.block_until_ready(jax.jit(lambda q, c, sl, bt: paged_decode_attention(
-      q, c, spec, seq_lens=sl, block_table=bt, scale=spec.head_size ** -0.5, k_scale=ks,
-      v_scale=ks, config=cfg, interpret=interpret))(q, cache, sl, bt))
+  step, args = BD.our_step(batch, ctx, cd, layout, cfg, interpret)
+  jax.block_until_ready(jax.jit(step)(*args))
 
 
 def check(cd, layout, cfg, interpret):
