@@ -38,13 +38,19 @@ def time_jax_chained(step, x0, *rest, chain: int = 3, reps: int = 5, inner: int 
   decode step's output is the next query), so per-call dispatch cost on the host is
   amortized and hidden behind GPU work; the result is the program time / chain.
   """
+  return time_jax(chained(step, chain), x0, *rest, reps=reps, inner=inner, warmup=1) / chain
+
+
+def chained(step, chain: int):
+  """``step`` run ``chain`` times back to back in one jitted program, each output the next
+  input: ``(x, *rest) -> x``."""
   import jax
 
-  def chained(x, *r):
+  def run(x, *r):
     for _ in range(chain):
       x = step(x, *r)
     return x
-  return time_jax(jax.jit(chained), x0, *rest, reps=reps, inner=inner, warmup=1) / chain
+  return jax.jit(run)
 
 
 def time_torch(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:

@@ -3,6 +3,7 @@
 GPU (H200):  PYTHONUNBUFFERED=1 python3 benchmarks/sweep_decode.py [--shape 64x4096 ...]
              [--formats fp8,nvfp4] [--json PATH]
 CPU smoke:   python benchmarks/sweep_decode.py --smoke
+Kernels:     python3 benchmarks/sweep_decode.py --trace --formats fp8 --variants default
 Profiler:    ncu -k regex:kvjax_paged_decode --section SourceCounters -o prof \
                  python3 benchmarks/sweep_decode.py --once --formats int8_per_token_head \
                  --layouts NHD --variants default
@@ -35,6 +36,7 @@ import numpy as np  # noqa: E402
 import kvjax  # noqa: E402
 from benchmarks import bench_decode as BD  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks import device_trace  # noqa: E402
 from pallas_kernels.triton.decode_config import NUM_SMS, default_config  # noqa: E402
 
 FORMATS = ("bfloat16", "fp8", "int8_per_token_head", "fp8_per_token_head",
@@ -72,6 +74,8 @@ VARIANTS = {
     "t32_s4": {"tokens_per_step": 32, "num_stages": 4},
     "t32_s5": {"tokens_per_step": 32, "num_stages": 5},
     "page_ids": {"page_block_ids": True},
+    "merge": {"merge_in_kernel": True},
+    "merge_p16": {"merge_in_kernel": True, "target_programs": 16 * NUM_SMS},
 }
 
 
@@ -83,7 +87,8 @@ def temp_bytes(batch, ctx, cd, layout, cfg):
 
 #: Variants whose numerics differ (operand dtype, decode path): each is checked against the
 #: reference before it is timed; the others only reorder the same arithmetic.
-CHECKED = ("default", "bytes", "bf16_ops", "f16_convert", "byte_scales", "page_ids")
+CHECKED = ("default", "bytes", "bf16_ops", "f16_convert", "byte_scales", "page_ids", "merge",
+           "merge_p16")
 
 
 def layouts(cd):
@@ -94,6 +99,19 @@ def run_once(batch, ctx, cd, layout, cfg, interpret):
   """One decode step, untimed and unchecked (``--once``: a profiler's launch)."""
   step, args = BD.our_step(batch, ctx, cd, layout, cfg, interpret)
   jax.block_until_ready(jax.jit(step)(*args))
+
+
+def trace(batch, ctx, cd, layout, cfg, interpret, geo):
+  """Print the device kernels of one chained decode call (``--trace``) per step."""
+  step, args = BD.our_step(batch, ctx, cd, layout, cfg, interpret, **geo)
+  rows, span = device_trace.kernel_breakdown(common.chained(step, BD.CHAIN), *args)
+  host = {c: common.time_jax_chained(step, *args, chain=c) * 1e3
+          for c in (BD.CHAIN, 4 * BD.CHAIN)}
+  print(f"    device span {span / BD.CHAIN:8.1f} us a step; host clock "
+        + ", ".join(f"{us:.1f} us a step ({c} chained)" for c, us in host.items())
+        + "; kernels a step:", flush=True)
+  for name, us, launches in rows:
+    print(f"    {us / BD.CHAIN:8.1f} us  x{launches / BD.CHAIN:g}  {name[:90]}", flush=True)
 
 
 def check(cd, layout, cfg, interpret):
@@ -123,6 +141,8 @@ def main():
   ap.add_argument("--layouts", default="NHD,HND", help="of NHD, HND (nvfp4: HND only)")
   ap.add_argument("--once", action="store_true",
                   help="run each configuration once, untimed and unchecked (for a profiler)")
+  ap.add_argument("--trace", action="store_true",
+                  help="list each configuration's device kernels a step (profiler), untimed")
   ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings "
                   "after this many seconds")
   ap.add_argument("--json", default=None)
@@ -151,6 +171,10 @@ def main():
           spec = kvjax.KVCacheSpec(num_kv_heads=8, head_size=128, block_size=16,
                                    cache_dtype=cd, layout=layout)
           cfg = dataclasses.replace(default_config(spec), **VARIANTS[name])
+          if args.trace:
+            print(f"  {cd:20s} {layout} {batch:4d}x{ctx:<6d} {name:14s} trace:", flush=True)
+            trace(batch, ctx, cd, layout, cfg, interpret, geo)
+            continue
           if args.once:
             run_once(batch, ctx, cd, layout, cfg, interpret)
             print(f"  {cd:20s} {layout} {batch:4d}x{ctx:<6d} {name:14s} ran once", flush=True)
@@ -185,7 +209,7 @@ def main():
           rows.append(r)
   out = args.json or (os.path.join(os.environ["OUT"], "sweep_decode.json")
                       if os.environ.get("OUT") else None)
-  if out:
+  if out and rows:                       # (--trace and --once time nothing)
     with open(out, "w") as f:
       json.dump(dict(info, rows=rows), f, indent=1)
   print("== best variant per format and layout (first shape)", flush=True)

@@ -53,6 +53,16 @@ def run_mode(op: str, name: str, *supports_args) -> bool:
   return True
 
 
+def triton_interpret() -> bool:
+  """``interpret`` for a test module that calls a Triton kernel directly: interpret mode by
+  default, compiled with ``KVJAX_TEST_COMPILED=1`` (the module skips unless on a GPU)."""
+  if not COMPILED:
+    return True
+  if registry.platform() != "gpu":
+    pytest.skip("the Triton kernels run compiled on a GPU only", allow_module_level=True)
+  return False
+
+
 def exact_bytes(name: str, interpret: bool) -> bool:
   """Whether an implementation's writes must equal the reference's bytes: always in interpret
   mode; compiled kernels may differ from XLA's compile of the reference on rounding

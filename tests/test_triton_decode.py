@@ -23,6 +23,9 @@ from kvjax.reference import unified_attention as ref_attention
 from pallas_kernels.triton.decode import paged_decode_attention
 from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits
 from kv_testing import jit_reference_write
+from op_suite import triton_interpret
+
+INTERPRET = triton_interpret()   # interpret mode on CPU; compiled on a GPU
 
 
 def _poisoned(rng, spec, num_blocks):
@@ -70,7 +73,8 @@ def _run(rng, cache_dtype, layout="NHD", *, h=2, g=4, d=64, n=16, lens=(1, 21, 7
   @jax.jit
   def ours(q, cache, sl, bt, sk, ks, vs):
     return paged_decode_attention(q, cache, spec, seq_lens=sl, block_table=bt, sinks=sk,
-                                  k_scale=ks, v_scale=vs, interpret=True, config=config, **kw)
+                                  k_scale=ks, v_scale=vs, interpret=INTERPRET, config=config,
+                                  **kw)
 
   out = ours(q, poison, sl, bt, sk, k_scale, v_scale)
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -126,6 +130,41 @@ def test_nvfp4_window_sinks_scale(rng):
     DecodeConfig(prefetch=True, tokens_per_step=32, num_splits=2)])
 def test_configs_agree(rng, config):
   _run(rng, "bfloat16", "NHD", lens=(1, 100, 0), window=60, config=config)
+
+
+@pytest.mark.parametrize("cache_dtype,layout,splits,sinks", [
+    ("bfloat16", "NHD", 3, True),
+    ("int8_per_token_head", "HND", 4, False),
+    pytest.param("fp8", "NHD", 7, True, marks=pytest.mark.slow)])
+def test_splits_merged_in_kernel(rng, cache_dtype, layout, splits, sinks):
+  """merge_in_kernel: the last split of each (sequence, head) merges every split's partials
+  (splits with no keys, a sequence with none, sinks, a window) as the XLA merge would."""
+  ks, vs = (0.5, 2.0) if cache_dtype == "fp8" else (None, None)
+  _run(rng, cache_dtype, layout, lens=(1, 100, 0, 47), window=60, sinks=sinks, k_scale=ks,
+       v_scale=vs, config=DecodeConfig(merge_in_kernel=True, tokens_per_step=16,
+                                       num_splits=splits))
+
+
+@pytest.mark.parametrize("cache_dtype,config", [
+    ("fp8", DecodeConfig(num_splits=3, merge_in_kernel=True)),
+    ("int4_per_token_head", DecodeConfig(num_splits=2, merge_in_kernel=True,
+                                         page_block_ids=True)),
+    ("nvfp4", DecodeConfig(num_splits=1)),
+    ("int8_per_token_head", DecodeConfig(num_splits=2))])
+def test_lowers_to_triton_for_a_gpu(cache_dtype, config):
+  """The compiled path's lowering (to Triton IR, for CUDA) runs on any host: what interpret
+  mode never lowers (cache modifiers, barriers, atomics) fails here, not first on a GPU."""
+  layout = "HND" if cache_dtype == "nvfp4" else "NHD"
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16,
+                           cache_dtype=cache_dtype, layout=layout)
+  ks = 1.0 if spec.format.has_tensor_scales else None
+  step = jax.jit(lambda q, c, sl, bt: paged_decode_attention(
+      q, c, spec, seq_lens=sl, block_table=bt, scale=0.125, k_scale=ks, v_scale=ks,
+      config=config))
+  args = (jnp.ones((2, 8, 64), jnp.bfloat16), spec.allocate(8), jnp.array([5, 0], jnp.int32),
+          jnp.zeros((2, 2), jnp.int32))
+  text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "kvjax_paged_decode" in text
 
 
 @pytest.mark.parametrize("cache_dtype,layout,n,tokens", [
@@ -191,7 +230,7 @@ def test_bad_arguments_are_caught_before_the_kernel():
   call = lambda **kw: kvjax.unified_attention(
       kw.pop("q", q), kw.pop("cache", cache), kw.pop("spec", spec),
       **{"query_start_loc": qsl, "seq_lens": sl, "block_table": bt, "scale": 0.1,
-         "impl": "pallas", "interpret": True, "max_query_len": 1, **kw})
+         "impl": "pallas", "interpret": INTERPRET, "max_query_len": 1, **kw})
   with pytest.raises(ValueError, match="head size"):
     call(q=jnp.ones((2, 4, 32), jnp.bfloat16))
   with pytest.raises(ValueError, match="multiple of num_kv_heads"):

@@ -22,6 +22,9 @@ from pallas_kernels import ragged_schedule as sched
 from pallas_kernels.triton.ragged import ragged_paged_attention
 from pallas_kernels.triton.ragged_kernel import TileConfig
 from kv_testing import poisoned_ragged_batch
+from op_suite import triton_interpret
+
+INTERPRET = triton_interpret()   # interpret mode on CPU; compiled on a GPU
 
 def _run_both(rng, spec, group, *, max_query_len=None, k_scale=None, v_scale=None,
               tile_config=None, **kw):
@@ -32,8 +35,8 @@ def _run_both(rng, spec, group, *, max_query_len=None, k_scale=None, v_scale=Non
   @jax.jit
   def ours(q, cache, qsl, sl, bt):
     return ragged_paged_attention(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
-                                  block_table=bt, max_query_len=max_query_len, interpret=True,
-                                  tile_config=tile_config, **args)
+                                  block_table=bt, max_query_len=max_query_len,
+                                  interpret=INTERPRET, tile_config=tile_config, **args)
 
   out = ours(q, cache, qsl, sl, bt)
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -94,3 +97,20 @@ def test_split_format_gpu_prefill_tile_matches_reference(rng):
                            cache_dtype="int4_per_token_head", dtype=jnp.bfloat16)
   o, r = _run_both(rng, spec, 4, tile_config=TileConfig(256, 64, 8, 3), sliding_window=20)
   _close(o, r, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("cache_dtype,max_query_len", [("auto", 64), ("fp8", 300),
+                                                       ("int8_per_token_head", 1)])
+def test_lowers_to_triton_for_a_gpu(cache_dtype, max_query_len):
+  """The compiled path's lowering (to Triton IR, for CUDA, with the GPU's tiles) runs on any
+  host: what interpret mode never lowers fails here, not first on a GPU."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, cache_dtype=cache_dtype)
+  ks = 1.0 if spec.format.has_tensor_scales else None
+  step = jax.jit(lambda q, c, qsl, sl, bt: ragged_paged_attention(
+      q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=0.125, k_scale=ks,
+      v_scale=ks, max_query_len=max_query_len))
+  args = (jnp.ones((6, 8, 64), jnp.bfloat16), spec.allocate(8),
+          jnp.array([0, 5, 6], jnp.int32), jnp.array([9, 3], jnp.int32),
+          jnp.zeros((2, 4), jnp.int32))
+  text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "kvjax_ragged_paged_attention" in text

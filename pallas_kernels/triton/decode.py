@@ -88,11 +88,10 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
       scale=static_scale, window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
       interpret=bool(interpret))
-  if splits == 1:
-    out = res[:, :, :g, :]                                              # [S, H, G, parts*W]
-  else:
-    acc, m, l = res
-    out = merge_splits(acc, m, l, None if sinks is None else sink_hg, g)
+  if not isinstance(res, tuple):
+    return res.reshape(s, hq, d)                      # written by the kernel: [S, H, G, D]
+  acc, m, l = res
+  out = merge_splits(acc, m, l, None if sinks is None else sink_hg, g)  # [S, H, G, parts*W]
   w, dp = tf.part_width, d // tf.num_parts      # part j holds head dims P*i + j
   out = jnp.stack([out[..., j * w:j * w + dp] for j in range(tf.num_parts)], axis=-1)
   return out.reshape(s, hq, d).astype(q.dtype)

@@ -46,6 +46,12 @@ class DecodeConfig:
       per-token-head formats issue 5-12 % fewer instructions a step (fp8 per tensor 10 %
       more), but on the H200 no format got faster by more than the spread between runs
       (64 x 4096, 2026-12-03): off by default.
+    merge_in_kernel: with several splits, the split that finishes a (sequence, KV head) last
+      (an atomic counter a pair) merges the partials of all splits and writes the output,
+      instead of a merge in XLA after the kernel. On the H200 (2026-12-03, profiler trace) the
+      XLA merge takes 4.0-4.2 µs a step at 64 x 4096 and 5.5-10.7 at 8 x 32768, and merging in
+      the kernel lengthens the kernel by as much (its last splits merge after their own keys):
+      level, so off by default.
   """
   tokens_per_step: int = 64
   num_splits: Optional[int] = None
@@ -59,6 +65,7 @@ class DecodeConfig:
   compute_dtype: Optional[str] = None
   pair_codes: bool = True
   page_block_ids: bool = False
+  merge_in_kernel: bool = False
 
   def __post_init__(self):
     t = self.tokens_per_step

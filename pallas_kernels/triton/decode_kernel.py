@@ -8,9 +8,11 @@ and V rows of those tokens from the flat pages (K and V of a token in the same
 step, so every cache line fetched is used), scores the padded query group
 ``[Gp, D]`` (read from q in the kernel, padding rows masked) against K with one
 dot, updates an online softmax (base 2) and accumulates ``p @ V``. With one split it
-normalizes in the kernel (sinks included) and writes the output directly; with
-several it writes unnormalized partials (acc, running max m, sum l) that
-:func:`pallas_kernels.common.merge_splits` combines (with the sinks) in XLA.
+normalizes in the kernel (sinks included) and writes the output directly, in q's shape
+``[S, H, G, D]``; with several it writes unnormalized partials (acc, running max m, sum l),
+which the split that finishes a (sequence, head) last merges into the output
+(``DecodeConfig.merge_in_kernel``: an atomic counter a pair), or
+:func:`pallas_kernels.common.merge_splits` combines in XLA after the kernel.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ LOG2E = math.log2(math.e)
 def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, *refs,
                    tf: TileFormat, num_views: int, step_tokens: int, num_splits: int,
                    num_blocks: int, max_blocks: int, group_pad: int, scale, window, soft_cap,
-                   has_sinks: bool, prefetch: bool, page_block_ids: bool):
+                   has_sinks: bool, prefetch: bool, page_block_ids: bool, merge_in_kernel: bool,
+                   interpret: bool):
   views, out_refs = refs[:num_views], refs[num_views:]
   s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_step, n = step_tokens, tf.block_size
@@ -65,14 +68,20 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
   grow = jnp.arange(gp, dtype=jnp.int32)
   rows = grow < num_groups
   rows_c = jnp.minimum(grow, num_groups - 1)
-  part_cols = [tf.part_cols(j) for j in range(tf.num_parts)]
+
+  def group_part(j, clip=True):
+    """(index, mask) of the query group's part j in a ``[S, H, G, D]`` array: ``[Gp, W]``.
+    Masked entries point at the last row / column (clip), or past the end: a store in
+    interpret mode writes masked entries back, and past the end it drops them."""
+    cols, cmask = tf.part_cols(j)
+    r, c = (rows_c, jnp.minimum(cols, tf.head_size - 1)) if clip else (grow, cols)
+    idx = (s, h, jnp.broadcast_to(r[:, None], (gp, w)), jnp.broadcast_to(c[None, :], (gp, w)))
+    return idx, rows[:, None] & cmask[None, :]
+
   q_parts = []
-  for cols, cmask in part_cols:
-    cols_c = jnp.minimum(cols, tf.head_size - 1)
-    idx = (s, h, jnp.broadcast_to(rows_c[:, None], (gp, w)),
-           jnp.broadcast_to(cols_c[None, :], (gp, w)))
-    qp = pltriton.load(q_ref.at[idx], mask=rows[:, None] & cmask[None, :], other=0.0)
-    q_parts.append(tf.q_operand(qp))
+  for j in range(tf.num_parts):
+    idx, mask = group_part(j)
+    q_parts.append(tf.q_operand(pltriton.load(q_ref.at[idx], mask=mask, other=0.0)))
   qsum = sum(jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q_parts)
   k_scale = ts_ref[0, h]
   v_scale = ts_ref[1, h]
@@ -135,9 +144,9 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
       return update(i, load_step(i, True), m, l, accs)
     m, l, accs = lax.fori_loop(start, stop, body, (m0, l0, accs0))
 
-  if num_splits == 1:
-    # Single pass: normalize here (sinks join the denominator) and write the padded group.
-    (o_ref,) = out_refs
+  def finish(o_ref, m, l, accs):
+    """Normalize (sinks join the denominator) and write the group's rows of o ``[S, H, G, D]``
+    (each part to its head-dim columns)."""
     if has_sinks:
       sk = pltriton.load(sink_ref.at[(h, rows_c)], mask=rows, other=0.0) * LOG2E
       m_f = jnp.maximum(m, sk)
@@ -147,14 +156,47 @@ def _decode_kernel(q_ref, seq_ref, sl_ref, bt_ref, ts_ref, sink_ref, cache_ref, 
       alpha, denom = jnp.ones_like(l), l
     coef = jnp.where(l > 0, alpha / jnp.where(l > 0, denom, 1.0), 0.0)
     for j, a in enumerate(accs):
-      o_ref[:, j * w:(j + 1) * w] = (a * coef[:, None]).astype(o_ref.dtype)
+      idx, mask = group_part(j, clip=False)
+      pltriton.store(o_ref.at[idx], (a * coef[:, None]).astype(o_ref.dtype), mask=mask)
+
+  if num_splits == 1:
+    (o_ref,) = out_refs
+    finish(o_ref, m, l, accs)
     return
-  # Split: unnormalized partials; only the real query rows go to memory.
-  acc_ref, m_ref, l_ref = out_refs
+  # Split: unnormalized partials of this split; only the real query rows go to memory.
+  if merge_in_kernel:
+    count_ref, o_ref, acc_ref, m_ref, l_ref, _ = out_refs   # count_ref: input, aliased last
+  else:
+    acc_ref, m_ref, l_ref = out_refs
   for j, a in enumerate(accs):
-    pltriton.store(acc_ref.at[:, j * w:(j + 1) * w], a, mask=rows[:, None])
-  pltriton.store(m_ref.at[:], m * (1.0 / LOG2E), mask=rows)    # natural log, as merged
-  pltriton.store(l_ref.at[:], l, mask=rows)
+    pltriton.store(acc_ref.at[s, h, split, :, pl.ds(j * w, w)], a, mask=rows[:, None])
+  pltriton.store(m_ref.at[s, h, split], m * (1.0 / LOG2E), mask=rows)  # natural log, as merged
+  pltriton.store(l_ref.at[s, h, split], l, mask=rows)
+  if not merge_in_kernel:
+    return
+  # The split that finishes its (sequence, head) last merges all partials. The barrier orders
+  # every thread's stores before the counter's acquire-release increment (one thread), as a
+  # grid-wide sync does; the last split reads the others' partials past L1 (volatile loads).
+  if not interpret:                  # (the interpreter runs one program at a time)
+    pltriton.debug_barrier()
+  done_before = pltriton.atomic_add(count_ref, (s, h), jnp.int32(1))
+
+  @pl.when(done_before == num_splits - 1)
+  def _merge():
+    def merge_split(k, carry):
+      m, l, accs = carry
+      load = functools.partial(pltriton.load, volatile=True)
+      m_k = load(m_ref.at[s, h, k], mask=rows, other=NEG) * LOG2E
+      l_k = load(l_ref.at[s, h, k], mask=rows, other=0.0)
+      m_new = jnp.maximum(m, m_k)
+      alpha, beta = jnp.exp2(m - m_new), jnp.exp2(m_k - m_new)
+      accs = tuple(
+          a * alpha[:, None]
+          + load(acc_ref.at[s, h, k, :, pl.ds(j * w, w)], mask=rows[:, None], other=0.0)
+          * beta[:, None]
+          for j, a in enumerate(accs))
+      return m_new, l * alpha + l_k * beta, accs
+    finish(o_ref, *lax.fori_loop(0, num_splits, merge_split, (m0, l0, accs0)))
 
 
 @functools.partial(jax.jit, static_argnames=("tf", "config", "num_splits", "scale", "window",
@@ -177,8 +219,8 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
       (float32 words ``[B, page_elems / 4]`` for row scales, uint16 pairs ``[B, page_elems
       / 2]`` for the formats' word hooks, :class:`~pallas_kernels.triton.formats.WordRows`).
   Returns:
-    ``num_splits == 1``: the normalized output ``[S, H, Gp, parts * W]`` in q's dtype
-    (rows past G and columns past the head size are padding).
+    ``num_splits == 1`` or ``config.merge_in_kernel``: the normalized output ``[S, H, G, D]``
+    in q's dtype.
     Otherwise unnormalized partials: acc float32 ``[S, H, splits, Gp, parts * W]`` (part
     ``j`` of a split format holds head dims ``parts * i + j``), m (natural log) and l float32
     ``[S, H, splits, Gp]``; only the first G rows of the Gp axis are written.
@@ -186,33 +228,38 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
   num_seqs, num_heads, num_groups, head_size = q.shape
   gp = max(16, next_pow2(num_groups))
   qw = tf.num_parts * tf.part_width
+  merge = config.merge_in_kernel and num_splits > 1
   kernel = functools.partial(
       _decode_kernel, tf=tf, step_tokens=config.step_tokens(tf.block_size),
       num_splits=num_splits, num_blocks=pages.shape[0], max_blocks=block_table.shape[1],
       group_pad=gp, scale=scale, window=window, soft_cap=soft_cap, has_sinks=has_sinks,
-      prefetch=config.prefetch, page_block_ids=config.page_block_ids, num_views=len(views))
+      prefetch=config.prefetch, page_block_ids=config.page_block_ids, num_views=len(views),
+      merge_in_kernel=merge, interpret=interpret)
   whole = pl.BlockSpec(memory_space=pl.ANY)
   f32 = jnp.float32
-  if num_splits == 1:
-    out_shape = jax.ShapeDtypeStruct((num_seqs, num_heads, gp, qw), q.dtype)
-    out_specs = pl.BlockSpec((None, None, gp, qw), lambda s, h, k: (s, h, 0, 0))
-  else:
-    row_spec = pl.BlockSpec((None, None, None, gp), lambda s, h, k: (s, h, k, 0))
-    out_shape = (
-        jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp, qw), f32),
-        jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
-        jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
-    )
-    out_specs = [pl.BlockSpec((None, None, None, gp, qw), lambda s, h, k: (s, h, k, 0, 0)),
-                 row_spec, row_spec]
-  return pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if num_splits > 1:
+    if not merge:
+      out_shape = []
+    out_shape += [jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp, qw), f32),
+                  jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
+                  jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32)]
+  inputs = [q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, pages, *views]
+  aliases = {}
+  if merge:           # splits done a (sequence, head), counted up from 0; the counter is aliased
+    aliases = {len(inputs): len(out_shape)}
+    inputs.append(jnp.zeros((num_seqs, num_heads), jnp.int32))
+    out_shape.append(jax.ShapeDtypeStruct((num_seqs, num_heads), jnp.int32))
+  res = pl.pallas_call(
       kernel,
       grid=(num_seqs, num_heads, num_splits),
-      in_specs=[whole] * (7 + len(views)),
-      out_specs=out_specs,
+      in_specs=[whole] * len(inputs),
+      out_specs=[whole] * len(out_shape),
       out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="kvjax_paged_decode",
-  )(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, pages, *views)
+  )(*inputs)
+  return res[0] if num_splits == 1 or merge else tuple(res)
