@@ -17,6 +17,9 @@ from kvjax import plain_copy as PC
 from kvjax import quant
 from kvjax.reference import unified_attention as ref_attention
 from kv_testing import poisoned_ragged_batch
+from op_suite import triton_interpret
+
+INTERPRET = triton_interpret()   # interpret mode on CPU; compiled on a GPU
 
 ALL_BYTES = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8)
 
@@ -63,7 +66,7 @@ def test_decode_variants_match_the_reference(rng, cache_dtype, layout, variant):
   kw = dict(seq_lens=sl, block_table=bt, scale=0.125, k_scale=ks, v_scale=ks)
   cfg = DecodeConfig(**DECODE_VARIANTS[variant])
   out = paged_decode_attention(jnp.full_like(q, jnp.nan).at[:].set(q), cache, spec,
-                               interpret=True, config=cfg, **kw)
+                               interpret=INTERPRET, config=cfg, **kw)
   ref = ref_attention(q, cache, spec, query_start_loc=qsl, **kw)
   err = np.linalg.norm(_f32(out) - _f32(ref)) / np.linalg.norm(_f32(ref))
   assert np.isfinite(_f32(out)).all() and err < 1e-2, err
@@ -108,7 +111,7 @@ def test_ragged_attention_with_and_without_the_plain_copy(rng, cache_dtype, layo
   q, cache, qsl, sl, bt = poisoned_ragged_batch(rng, spec, 8, k_scale=ks, v_scale=ks)
   kw = dict(query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=0.125, k_scale=ks,
             v_scale=ks)
-  out = jax.jit(lambda q, c: ragged_paged_attention(q, c, spec, interpret=True,
+  out = jax.jit(lambda q, c: ragged_paged_attention(q, c, spec, interpret=INTERPRET,
                                                     plain_copy=plain, **kw))(q, cache)
   ref = ref_attention(q, cache, spec, **kw)
   o, r = _f32(out), _f32(ref)
