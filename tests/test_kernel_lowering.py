@@ -12,6 +12,7 @@ from jax import export
 from kvjax import KVCacheSpec
 from kvjax import formats as F
 from pallas_kernels.triton.decode import paged_decode_attention
+from pallas_kernels.triton.decode_config import DecodeConfig
 from pallas_kernels.triton.ragged import ragged_paged_attention
 
 ALLOW = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
@@ -60,6 +61,25 @@ def test_decode_pair_conversions_lower_for_cuda(cache_dtype, monkeypatch):
   from pallas_kernels.triton import pairs
   monkeypatch.setattr(pairs, "cuda_capability", lambda: (9, 0))
   test_decode_kernel_lowers_for_cuda(cache_dtype, "HND", 128)
+
+
+@pytest.mark.parametrize("cache_dtype,config", [
+    ("fp8", DecodeConfig(num_splits=3, merge_in_kernel=True)),
+    ("int4_per_token_head", DecodeConfig(num_splits=2, merge_in_kernel=True,
+                                         page_block_ids=True)),
+    ("int8_per_token_head", DecodeConfig(num_splits=2, prefetch=True, page_block_ids=True)),
+    ("auto", DecodeConfig(num_splits=1, tokens_per_step=128, num_warps=8))])
+def test_decode_config_options_lower_for_cuda(cache_dtype, config):
+  """The paths of DecodeConfig's options (the in-kernel merge's barrier, atomic counter and
+  volatile loads; block ids once a page; prefetch) lower too: interpret mode never lowers them."""
+  spec = KVCacheSpec(2, 128, 16, cache_dtype, "NHD")
+  cache, _, sl, bt = _abstract(spec)
+  q = jax.ShapeDtypeStruct((S, 2 * G, 128), jnp.bfloat16)
+  ks = 0.5 if spec.format.has_tensor_scales else None
+  f = lambda q, c, sl, bt: paged_decode_attention(
+      q, c, spec, seq_lens=sl, block_table=bt, scale=0.1, sinks=jnp.zeros(2 * G), k_scale=ks,
+      v_scale=ks, config=config)
+  assert "xla.gpu.triton" in _lowered_text(f, q, cache, sl, bt)
 
 
 @pytest.mark.parametrize("cache_dtype,layout,head_size", CASES)

@@ -145,28 +145,6 @@ def test_splits_merged_in_kernel(rng, cache_dtype, layout, splits, sinks):
                                        num_splits=splits))
 
 
-@pytest.mark.parametrize("cache_dtype,config", [
-    ("fp8", DecodeConfig(num_splits=3, merge_in_kernel=True)),
-    ("int4_per_token_head", DecodeConfig(num_splits=2, merge_in_kernel=True,
-                                         page_block_ids=True)),
-    ("nvfp4", DecodeConfig(num_splits=1)),
-    ("int8_per_token_head", DecodeConfig(num_splits=2))])
-def test_lowers_to_triton_for_a_gpu(cache_dtype, config):
-  """The compiled path's lowering (to Triton IR, for CUDA) runs on any host: what interpret
-  mode never lowers (cache modifiers, barriers, atomics) fails here, not first on a GPU."""
-  layout = "HND" if cache_dtype == "nvfp4" else "NHD"
-  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16,
-                           cache_dtype=cache_dtype, layout=layout)
-  ks = 1.0 if spec.format.has_tensor_scales else None
-  step = jax.jit(lambda q, c, sl, bt: paged_decode_attention(
-      q, c, spec, seq_lens=sl, block_table=bt, scale=0.125, k_scale=ks, v_scale=ks,
-      config=config))
-  args = (jnp.ones((2, 8, 64), jnp.bfloat16), spec.allocate(8), jnp.array([5, 0], jnp.int32),
-          jnp.zeros((2, 2), jnp.int32))
-  text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "kvjax_paged_decode" in text
-
-
 @pytest.mark.parametrize("cache_dtype,layout,n,tokens", [
     ("int8_per_token_head", "HND", 16, 64),     # 4 pages a step
     ("bfloat16", "NHD", 32, 32),                # one page a step

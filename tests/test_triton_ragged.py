@@ -98,19 +98,3 @@ def test_split_format_gpu_prefill_tile_matches_reference(rng):
   o, r = _run_both(rng, spec, 4, tile_config=TileConfig(256, 64, 8, 3), sliding_window=20)
   _close(o, r, jnp.bfloat16)
 
-
-@pytest.mark.parametrize("cache_dtype,max_query_len", [("auto", 64), ("fp8", 300),
-                                                       ("int8_per_token_head", 1)])
-def test_lowers_to_triton_for_a_gpu(cache_dtype, max_query_len):
-  """The compiled path's lowering (to Triton IR, for CUDA, with the GPU's tiles) runs on any
-  host: what interpret mode never lowers fails here, not first on a GPU."""
-  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, cache_dtype=cache_dtype)
-  ks = 1.0 if spec.format.has_tensor_scales else None
-  step = jax.jit(lambda q, c, qsl, sl, bt: ragged_paged_attention(
-      q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=0.125, k_scale=ks,
-      v_scale=ks, max_query_len=max_query_len))
-  args = (jnp.ones((6, 8, 64), jnp.bfloat16), spec.allocate(8),
-          jnp.array([0, 5, 6], jnp.int32), jnp.array([9, 3], jnp.int32),
-          jnp.zeros((2, 4), jnp.int32))
-  text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "kvjax_ragged_paged_attention" in text
