@@ -26,6 +26,7 @@ from op_suite import triton_interpret
 
 INTERPRET = triton_interpret()   # interpret mode on CPU; compiled on a GPU
 
+
 def _run_both(rng, spec, group, *, max_query_len=None, k_scale=None, v_scale=None,
               tile_config=None, **kw):
   hq = spec.num_kv_heads * group
@@ -97,4 +98,3 @@ def test_split_format_gpu_prefill_tile_matches_reference(rng):
                            cache_dtype="int4_per_token_head", dtype=jnp.bfloat16)
   o, r = _run_both(rng, spec, 4, tile_config=TileConfig(256, 64, 8, 3), sliding_window=20)
   _close(o, r, jnp.bfloat16)
-
