@@ -57,7 +57,13 @@ def kernel_breakdown(fn, *args, calls: int = 5):
     jax.block_until_ready(out)
   (path,) = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
   with gzip.open(path) as f:
-    events = _device_events(json.load(f))
+    return summarize(json.load(f), calls)
+
+
+def summarize(trace: dict, calls: int):
+  """:func:`kernel_breakdown`'s result from a Perfetto trace (``traceEvents``) of ``calls``
+  calls."""
+  events = _device_events(trace)
   total, count = collections.defaultdict(float), collections.Counter()
   for e in events:
     total[e["name"]] += e["dur"]
