@@ -237,10 +237,9 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
       merge_in_kernel=merge, interpret=interpret)
   whole = pl.BlockSpec(memory_space=pl.ANY)
   f32 = jnp.float32
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  writes_output = num_splits == 1 or merge
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)] if writes_output else []
   if num_splits > 1:
-    if not merge:
-      out_shape = []
     out_shape += [jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp, qw), f32),
                   jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32),
                   jax.ShapeDtypeStruct((num_seqs, num_heads, num_splits, gp), f32)]
@@ -262,4 +261,4 @@ def decode_call(q, seq_of_row, seq_lens, block_table, tensor_scales, sinks, page
       interpret=interpret,
       name="kvjax_paged_decode",
   )(*inputs)
-  return res[0] if num_splits == 1 or merge else tuple(res)
+  return res[0] if writes_output else tuple(res)
