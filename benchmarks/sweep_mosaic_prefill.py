@@ -4,6 +4,7 @@ GPU:  python3 benchmarks/sweep_mosaic_prefill.py [--problems 4x4096,16x1024,1x16
           [--configs default,bk=64:stages=4,staging=swizzled] [--rounds 2] [--json FILE]
       ncu -k regex:kvjax_mgpu_ragged --clock-control none --section SpeedOfLight \
           python3 benchmarks/sweep_mosaic_prefill.py --configs default --once
+Kernels: python3 benchmarks/sweep_mosaic_prefill.py --configs default --trace
 
 Per problem of ``prefill_peers.PROBLEMS`` (bf16, Hq 32, H 8, D 128, block 16, causal, pages
 shuffled, NHD): our kernel in each configuration, ``--rounds`` times over all of them in one
@@ -17,7 +18,9 @@ the sequence, its TFLOP/s counted over all of them) and ``regs=CONSUMER/PRODUCER
 (registers a thread of each warpgroup, e.g. ``regs=240/24``).
 A configuration that does not fit shared memory is reported as an error row. ``--once``
 runs each configuration once per problem (no timing, no comparison), for a profiler to wrap.
-With ``--rounds 1`` it can be timed on several source trees by ``benchmarks/ab.py run`` (its
+``--trace`` prints, per problem and configuration, the device kernels of one call (tile
+metadata in XLA, the kernel) from a profiler trace (``benchmarks/device_trace.py``) next to
+the host clock of the tables. With ``--rounds 1`` it can be timed on several source trees by ``benchmarks/ab.py run`` (its
 rows are matched on problem and configuration).
 """
 from __future__ import annotations
@@ -89,6 +92,8 @@ def main():
   ap.add_argument("--json", default=None)
   ap.add_argument("--once", action="store_true",
                   help="run each configuration once per problem, untimed (for ncu)")
+  ap.add_argument("--trace", action="store_true",
+                  help="print each call's device kernels from a profiler trace")
   args = ap.parse_args()
   configs = [("default", {})] + [(c, parse_config(c)) for c in args.configs.split(",")
                                  if c != "default"]     # the default first: the reference
@@ -97,6 +102,7 @@ def main():
   import jax.numpy as jnp
   import numpy as np
   import kvjax
+  from benchmarks import device_trace
   from benchmarks import prefill_peers as P
   from benchmarks.check_mosaic_gpu import ours_fn
   from benchmarks.common import now_utc, time_jax, versions
@@ -132,6 +138,10 @@ def main():
               row["max_diff_vs_default"] = float(np.max(np.abs(out - ref[name])))
             ms = time_jax(f, *batch, **P.TIMING)
             row.update(us=1e3 * ms, tflops=P.tflops(flops, ms))
+            if args.trace:
+              kernels, span = device_trace.kernel_breakdown(f, *batch)
+              row.update(span_us=span, kernels=[dict(name=n[:90], us=us, launches=k)
+                                                for n, us, k in kernels])
         except Exception as e:  # noqa: BLE001 - a configuration that fails is a row
           row["error"] = str(e).splitlines()[0][:200]
         print(json.dumps(row), flush=True)

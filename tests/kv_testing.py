@@ -232,14 +232,3 @@ def nonfinite_spread(cache_dtype: str, head_size: int, col: int):
       "int4_per_token_head": (row, row),
       "nvfp4": (group, set()),                 # Inf: the group's scale saturates, stays finite
   }[cache_dtype]
-
-
-def needs_mosaic_gpu_interpreter(test):
-  """Marks a Mosaic GPU interpret-mode test: skipped on jax < 0.11 (its interpreter lacks
-  out-of-bounds TMA reads and transposed wgmma operands), and marked ``mosaic_interpret`` so
-  that a compiled run on a GPU host, where each takes minutes of the host's CPU, can leave
-  them for a run of their own: ``-m "(slow or not slow) and not mosaic_interpret"``."""
-  from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
-  skip = pytest.mark.skipif(JAX_VERSION < (0, 11), reason="Mosaic GPU interpret mode of "
-                            "jax < 0.11 lacks OOB TMA reads and transposed wgmma operands")
-  return pytest.mark.mosaic_interpret(skip(test))

@@ -63,6 +63,25 @@ def triton_interpret() -> bool:
   return False
 
 
+def mosaic_gpu_numerics(test):
+  """Marks a numerics test that calls a Mosaic GPU kernel directly with ``interpret=not
+  COMPILED``.
+
+  By default it runs in Mosaic GPU interpret mode: skipped on jax < 0.11 (its interpreter
+  lacks out-of-bounds TMA reads and transposed wgmma operands) and marked ``mosaic_interpret``
+  (minutes each on a GPU host's CPU: ``-m "not mosaic_interpret"`` leaves them out). With
+  ``KVJAX_TEST_COMPILED=1`` it runs compiled, skipped unless the kernels run here (jax >= 0.11,
+  an sm90+ GPU)."""
+  from pallas_kernels.mosaic_gpu import ragged_attention as mgpu
+  if COMPILED:
+    why = mgpu.platform_reason()
+    return pytest.mark.skipif(why is not None, reason=f"compiled Mosaic GPU: {why}")(test)
+  skip = pytest.mark.skipif(mgpu.JAX_VERSION < mgpu.MIN_JAX, reason="Mosaic GPU interpret "
+                            "mode of jax < 0.11 lacks OOB TMA reads and transposed wgmma "
+                            "operands")
+  return pytest.mark.mosaic_interpret(skip(test))
+
+
 def exact_bytes(name: str, interpret: bool) -> bool:
   """Whether an implementation's writes must equal the reference's bytes: always in interpret
   mode; compiled kernels may differ from XLA's compile of the reference on rounding

@@ -4,10 +4,10 @@
 * lowering to Mosaic GPU IR for CUDA with ``jax.export(platforms=["cuda"])``: the Pallas ->
   Mosaic GPU lowering (TMA boxes, wgmma shapes, shared-memory transforms, barriers) runs on
   CPU, only PTX compilation needs the GPU;
-* numerics in Mosaic GPU interpret mode (warpgroups as threads, simulated TMA and barriers)
-  against ``kvjax.reference.unified_attention`` on poisoned caches: needs jax >= 0.11 (jax
-  0.10.2's interpreter lacks out-of-bounds TMA reads and transposed wgmma operands), so CI on
-  0.10.2 skips it; ``benchmarks/check_mosaic_gpu.py`` runs the compiled kernel on an H200.
+* numerics against ``kvjax.reference.unified_attention`` on poisoned caches: in Mosaic GPU
+  interpret mode (warpgroups as threads, simulated TMA and barriers; jax >= 0.11, jax 0.10.2's
+  interpreter lacks out-of-bounds TMA reads and transposed wgmma operands, so CI on 0.10.2
+  skips them), compiled on an sm90+ GPU with ``KVJAX_TEST_COMPILED=1``.
 """
 import dataclasses
 import functools
@@ -21,7 +21,8 @@ from jax import export
 import kvjax
 from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
-from kv_testing import needs_mosaic_gpu_interpreter, shuffled_block_table
+from kv_testing import shuffled_block_table
+from op_suite import COMPILED, mosaic_gpu_numerics
 from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.ragged_attention import (ragged_paged_attention,
                                                         ragged_paged_attention_tiled,
@@ -348,7 +349,7 @@ def test_geometry_rejects_pieces_off_the_8_row_tiles():
   assert TL.TileGeometry(4, 32, 2, 128, 2, 24).piece == 8
 
 
-# -- numerics in interpret mode ----------------------------------------------------------------
+# -- numerics: interpret mode, or compiled with KVJAX_TEST_COMPILED=1 --------------------------
 
 
 def _nan_poisoned_batch(rng, spec, hq, q_lens, ctx_lens, pad):
@@ -384,10 +385,10 @@ INTERPRET_CASES = [
 ]
 
 
-@needs_mosaic_gpu_interpreter
+@mosaic_gpu_numerics
 @pytest.mark.parametrize("layout,h,group,head_size,block_size,q_lens,ctx_lens,pad,mql,kw",
                          INTERPRET_CASES)
-def test_interpret_matches_reference(rng, layout, h, group, head_size, block_size, q_lens,
+def test_kernel_matches_reference(rng, layout, h, group, head_size, block_size, q_lens,
                                      ctx_lens, pad, mql, kw):
   spec = kvjax.KVCacheSpec(h, head_size, block_size, layout=layout, dtype=jnp.bfloat16)
   q, cache, qsl, sl, bt = _nan_poisoned_batch(rng, spec, h * group, q_lens, ctx_lens, pad)
@@ -399,7 +400,7 @@ def test_interpret_matches_reference(rng, layout, h, group, head_size, block_siz
     kw["sinks"] = jnp.asarray(rng.standard_normal(h * group) * 2, jnp.float32)
   programs = kw.pop("programs", 0)
   out = ragged_paged_attention_tiled(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
-                                     block_table=bt, max_query_len=mql, interpret=True,
+                                     block_table=bt, max_query_len=mql, interpret=not COMPILED,
                                      geometry=geo, num_programs=programs, **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
   o = np.asarray(out, np.float32)

@@ -5,9 +5,9 @@
 * which calls take it: formats with Mosaic GPU hooks, decode batches, the auto rule;
 * lowering to Mosaic GPU IR for CUDA with ``jax.export(platforms=["cuda"])`` (TMA boxes, wgmma
   shapes and transposes, shared-memory transforms, cross-warp reductions, barriers);
-* numerics in Mosaic GPU interpret mode against ``kvjax.reference.unified_attention`` on
-  NaN-poisoned caches (jax >= 0.11: CI on 0.10.2 skips it; ``benchmarks/bench_decode.py``
-  runs the compiled kernel's checks on an H200, ``KVJAX_TEST_COMPILED=1`` the op suite).
+* numerics against ``kvjax.reference.unified_attention`` on NaN-poisoned caches: in Mosaic
+  GPU interpret mode (jax >= 0.11: CI on 0.10.2 skips them), compiled on an sm90+ GPU with
+  ``KVJAX_TEST_COMPILED=1`` (``benchmarks/bench_decode.py`` also checks the compiled kernel).
 """
 import dataclasses
 import functools
@@ -22,7 +22,7 @@ import kvjax
 from kvjax import registry
 from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
-from kv_testing import needs_mosaic_gpu_interpreter
+from op_suite import COMPILED, mosaic_gpu_numerics
 from pallas_kernels.mosaic_gpu import attention as MA
 from pallas_kernels.mosaic_gpu import decode_geometry as DG
 from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
@@ -149,7 +149,7 @@ def test_lowers_to_mosaic_gpu_for_cuda(cache_dtype, layout, h, group, head_size,
   assert "mosaic_gpu" in text
 
 
-# -- numerics in interpret mode ----------------------------------------------------------------
+# -- numerics: interpret mode, or compiled with KVJAX_TEST_COMPILED=1 --------------------------
 
 INTERPRET_CASES = [
     # cache_dtype, layout, H, G, D, N, seq_lens, kwargs
@@ -159,10 +159,10 @@ INTERPRET_CASES = [
 ]
 
 
-@needs_mosaic_gpu_interpreter
+@mosaic_gpu_numerics
 @pytest.mark.parametrize("cache_dtype,layout,h,group,head_size,block_size,lens,kw",
                          INTERPRET_CASES)
-def test_interpret_matches_reference(rng, cache_dtype, layout, h, group, head_size, block_size,
+def test_kernel_matches_reference(rng, cache_dtype, layout, h, group, head_size, block_size,
                                      lens, kw):
   spec = kvjax.KVCacheSpec(h, head_size, block_size, cache_dtype, layout=layout, dtype=BF16)
   n = block_size
@@ -187,7 +187,8 @@ def test_interpret_matches_reference(rng, cache_dtype, layout, h, group, head_si
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray(rng.standard_normal(h * group), jnp.float32)
   meta = dict(seq_lens=jnp.asarray(lens, jnp.int32), block_table=jnp.asarray(bt))
-  out = np.asarray(paged_decode_attention(q, cache, spec, interpret=True, **meta, **kw),
+  out = np.asarray(paged_decode_attention(q, cache, spec, interpret=not COMPILED, **meta,
+                                          **kw),
                    np.float32)
   kw.pop("num_splits", None)
   want = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, **kw))(

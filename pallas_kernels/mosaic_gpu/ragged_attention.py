@@ -73,9 +73,12 @@ def spec_reason(spec: KVCacheSpec, q_dtype, group: int | None = None) -> str | N
 def supports_attention(spec, q_dtype) -> str | None:
   """None when :func:`ragged_paged_attention` runs here for ``spec`` and ``q_dtype``, else a
   one-line reason (jax older than 0.11, no sm90+ GPU, cache format, dtype, head size)."""
-  reason = spec_reason(spec, q_dtype)
-  if reason is not None:
-    return reason
+  return spec_reason(spec, q_dtype) or platform_reason()
+
+
+def platform_reason() -> str | None:
+  """None when the Mosaic GPU kernels run compiled in this process (jax >= 0.11 and an sm90+
+  default device), else a one-line reason."""
   if JAX_VERSION < MIN_JAX:
     return f"jax {jax.__version__}: the Mosaic GPU kernel needs jax >= 0.11"
   return _gpu_reason()
