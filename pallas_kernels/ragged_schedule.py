@@ -7,8 +7,8 @@ static upper bound and surplus programs find an empty tile and do nothing:
   sum_s cdiv(q_len_s, bq) <= cdiv(T, bq) + S        (each sequence wastes < 1 tile)
   sum_s cdiv(q_len_s, bq) <= S * cdiv(max_query_len, bq)
 
-Everything here is pure jnp on int32 metadata ``[S+1]`` / ``[S]``: a few
-microseconds of XLA per step, no host sync.
+Everything here is pure jnp on int32 metadata ``[S+1]`` / ``[S]``, with no loop: a few
+fused XLA kernels per step, no host sync.
 """
 from __future__ import annotations
 
@@ -42,7 +42,10 @@ def tile_schedule(query_start_loc, num_tiles: int, bq: int, max_query_len=None):
   ends = jnp.cumsum(tiles)
   starts = ends - tiles
   j = jnp.arange(num_tiles, dtype=jnp.int32)
-  seq = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)
+  # Unrolled binary search: log2(S + 1) gathers and selects that XLA fuses. The default "scan"
+  # is a while loop, which on the H200 cost 48-94 µs of small kernels and launch gaps before
+  # each Mosaic GPU prefill call (benchmarks/RESULTS.md, 2026-12-03 21:38).
+  seq = jnp.searchsorted(ends, j, side="right", method="scan_unrolled").astype(jnp.int32)
   valid = seq < num_seqs
   seq = jnp.minimum(seq, num_seqs - 1)
   q0 = (j - starts[seq]) * bq
