@@ -3,6 +3,7 @@
 GPU (H200):  PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
                python benchmarks/bench_write.py [--md PATH] [--log-dir DIR]
 CPU smoke:   python benchmarks/bench_write.py --smoke      (tiny sizes, interpret mode)
+Kernels:     python benchmarks/bench_write.py --trace nvfp4:HND,int4_per_token_head:NHD
 
 1. compiled kernel == reference bytes (poisoned caches, padded slots), several cache dtypes
    and both layouts, plus the dequantize kernels == ``kvjax.views.dequantize_stored``;
@@ -10,7 +11,8 @@ CPU smoke:   python benchmarks/bench_write.py --smoke      (tiny sizes, interpre
 3. bf16 write of 8192 tokens (H=8, D=128, N=16, NHD) into a 2 GB and a 32 GB cache, against
    a measured device copy rate (part "timing");
 5. every format's quantize-on-write of 8192 tokens, best of a launch-config sweep, next to
-   vLLM's writers where they run (part "formats").
+   vLLM's writers where they run (part "formats"), and the best config's write kernel alone
+   from a profiler trace of the same loop (``--trace``: only the traced kernels).
 Timing: a jitted, cache-donating ``fori_loop`` of writes (4 rotating input sets a step, so
 nothing stays in L2), device time per write = loop time / writes, median of trials.
 Copy rate: an XLA device-to-device copy of 1 GiB, timed the same way (bytes written / s;
@@ -212,8 +214,8 @@ def hlo_finding(spec, nb, t, interpret, log_dir):
 
 
 # -- 3./5. timing -----------------------------------------------------------------------------
-def device_time_per_write(spec, cache, inputs, iters, trials, interpret, config):
-  """Median device seconds per write: a donated jitted fori_loop over rotating input sets."""
+def write_loop(spec, iters, interpret, config):
+  """``(cache, inputs) -> cache``: ``iters`` steps of one write per input set (a fori_loop)."""
   ks, vs = ((jnp.float32(0.3), jnp.float32(0.2)) if spec.format.has_tensor_scales
             else (None, None))
 
@@ -224,8 +226,12 @@ def device_time_per_write(spec, cache, inputs, iters, trials, interpret, config)
                         config=config)
       return c
     return jax.lax.fori_loop(0, iters, body, c)
+  return loop
 
-  f = jax.jit(loop, donate_argnums=0)
+
+def device_time_per_write(spec, cache, inputs, iters, trials, interpret, config):
+  """Median device seconds per write: a donated jitted fori_loop over rotating input sets."""
+  f = jax.jit(write_loop(spec, iters, interpret, config), donate_argnums=0)
   cache = f(cache, inputs)               # compile + warm up
   cache.block_until_ready()
   times = []
@@ -235,6 +241,19 @@ def device_time_per_write(spec, cache, inputs, iters, trials, interpret, config)
     cache.block_until_ready()
     times.append((time.perf_counter() - t0) / (iters * len(inputs)))
   return statistics.median(times), cache
+
+
+def traced_kernels(spec, cache, inputs, iters, config):
+  """The device kernels of the write loop (not donated: each call also copies the cache), per
+  write, from a profiler trace: ``[(name, µs a write, launches a write)]``, and the write
+  kernel's µs a write (None when the backend records no device kernels, e.g. CPU)."""
+  from device_trace import kernel_breakdown
+  writes = iters * len(inputs)
+  rows, _ = kernel_breakdown(jax.jit(write_loop(spec, iters, False, config)), cache, inputs,
+                             calls=3)
+  rows = [(name, us / writes, launches / writes) for name, us, launches in rows]
+  kernel = [us for name, us, _ in rows if name.startswith("write_kv_")]
+  return rows, (kernel[0] if kernel else None)
 
 
 def call_time(spec, cache, k, v, s, reps, interpret, config):
@@ -328,7 +347,8 @@ def vllm_write_us(spec, t, rng):
 
 def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, formats=None):
   """Per format: best configuration's device time per write of ``t_tok`` tokens, rates, % of
-  the copy's read+written rate, and vLLM's writer on the same problem. ``formats``: the cache
+  the copy's read+written rate, its write kernel alone (profiler trace; None on CPU) and vLLM's
+  writer on the same problem. ``formats``: the cache
   dtypes to time (None: all)."""
   rows = []
   configs = FORMAT_CONFIGS[:2] if smoke else FORMAT_CONFIGS
@@ -353,10 +373,16 @@ def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, 
         log(f"  {cd} {layout} {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}")
         continue
       tried.append((sec, cfg))
-    del cache, inputs
     if not tried:
       continue
     best_sec, best_cfg = min(tried, key=lambda x: x[0])
+    kernel_us = None
+    if not interpret:
+      try:
+        kernel_us = traced_kernels(spec, cache, inputs, 4, best_cfg)[1]
+      except Exception as e:   # noqa: BLE001
+        log(f"  {cd} {layout} trace: ERROR {type(e).__name__}: {str(e)[:200]}")
+    del cache, inputs
     default_sec = tried[0][0] if tried[0][1] == default else float("nan")
     try:
       vllm_us = None if (smoke or not with_vllm) else vllm_write_us(spec, t_tok, rng)
@@ -368,29 +394,40 @@ def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, 
                config=f"tb={best_cfg.tokens_per_program},w={best_cfg.num_warps}"
                + (",split" if best_cfg.pair_split else ""),
                written_mb=wbytes / 1e6, read_mb=rbytes / 1e6, rw_tbs=rw / 1e12,
-               pct_copy=100 * rw / (2 * crate), vllm_us=vllm_us)
+               pct_copy=100 * rw / (2 * crate), vllm_us=vllm_us, kernel_us=kernel_us,
+               kernel_pct_copy=(None if kernel_us is None else
+                                100 * (wbytes + rbytes) / (kernel_us * 1e-6) / (2 * crate)))
     rows.append(row)
     log(f"  {cd:22s} {layout}: best {row['us']:6.1f} us ({row['config']}), default "
         f"{row['default_us']:6.1f} us, r+w {row['rw_tbs']:.3f} TB/s = {row['pct_copy']:5.1f}% of "
-        f"copy; vLLM {'-' if vllm_us is None else f'{vllm_us:.1f} us'}")
+        f"copy; kernel alone {_cell(kernel_us, '.1f', ' us')} = "
+        f"{_cell(row['kernel_pct_copy'], '.1f', '%')} of copy; vLLM "
+        f"{_cell(vllm_us, '.1f', ' us')}")
   return rows
+
+
+def _cell(x, fmt, unit=""):
+  return "-" if x is None else f"{x:{fmt}}{unit}"
 
 
 def format_table_md(rows, t_tok, crate):
   lines = [f"{t_tok} tokens, H=8, D=128, N=16, random pages, 2 GB cache; % = (K/V bf16 read + "
            f"format rows written) / s over the device copy's read+written rate "
            f"({2 * crate / 1e12:.3f} TB/s); best of {len(FORMAT_CONFIGS)} launch configs "
-           "(default's time next to it); vLLM = its Triton writer on the same problem "
-           "(int4: its quantize-and-store kernel on pre-rotated rows).", "",
+           "(default's time next to it), one write of a fori_loop of writes (launch gaps "
+           "included); kernel = the best config's write kernel alone, from a profiler trace of "
+           "the same loop; vLLM = its Triton writer on the same problem (int4: its "
+           "quantize-and-store kernel on pre-rotated rows).", "",
            "| cache dtype | layout | µs (best) | config | µs (default) | written MB | "
-           "r+w TB/s | % of copy | vLLM µs | vs vLLM |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "r+w TB/s | % of copy | kernel µs | kernel % of copy | vLLM µs | vs vLLM |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     v = r["vllm_us"]
     vs = "-" if v is None else f"{v / r['us']:.2f}x"
     lines.append(f"| {r['cache_dtype']} | {r['layout']} | {r['us']:.1f} | {r['config']} | "
                  f"{r['default_us']:.1f} | {r['written_mb']:.1f} | {r['rw_tbs']:.3f} | "
-                 f"{r['pct_copy']:.1f} | {'-' if v is None else f'{v:.1f}'} | "
-                 f"{vs} |")
+                 f"{r['pct_copy']:.1f} | {_cell(r.get('kernel_us'), '.1f')} | "
+                 f"{_cell(r.get('kernel_pct_copy'), '.1f')} | {_cell(v, '.1f')} | {vs} |")
   return lines
 
 
@@ -404,6 +441,22 @@ def profile_once(cache_dtype, layout, t_tok):
   inputs = make_inputs(rng, spec, nb, t_tok, 4)
   sec, cache = device_time_per_write(spec, cache, inputs, 2, 2, False, None)
   log(f"profile {cache_dtype} {layout}: {sec * 1e6:.1f} us per write")
+
+
+def trace_writes(targets, t_tok, iters=4):
+  """Per ``(cache dtype, layout)``: the device kernels of the timing loop (default config) per
+  write, from a profiler trace."""
+  rng = np.random.default_rng(0)
+  for cd, layout in targets:
+    spec = KVCacheSpec(8, 128, 16, cd, layout)
+    nb = 2 * 2**30 // spec.page_bytes
+    cache = fill_cache(spec, nb)
+    inputs = make_inputs(rng, spec, nb, t_tok, 4)
+    rows, _ = traced_kernels(spec, cache, inputs, iters, None)
+    log(f"  {cd} {layout}: kernels a write (the loop's cache copies included):")
+    for name, us, launches in rows:
+      log(f"    {us:8.2f} us  x{launches:g}  {name[:80]}")
+    del cache, inputs
 
 
 def main():
@@ -421,9 +474,16 @@ def main():
                   help="comma list of cache dtypes for the per-format table (default: all)")
   ap.add_argument("--profile", default=None, metavar="CACHE_DTYPE:LAYOUT",
                   help="only run one warm compiled write loop of this format (for a profiler)")
+  ap.add_argument("--trace", default=None, metavar="CACHE_DTYPE:LAYOUT,...",
+                  help="only print the device kernels of these formats' timing loops "
+                  "(profiler trace)")
   args = ap.parse_args()
   smoke = args.smoke
   parts = set(args.parts.split(","))
+  if args.trace:
+    trace_writes([(t.partition(":")[0], t.partition(":")[2] or "NHD")
+                  for t in args.trace.split(",")], 8192)
+    return
   if args.profile:
     cd, _, layout = args.profile.partition(":")
     profile_once(cd, layout or "NHD", 8192)
