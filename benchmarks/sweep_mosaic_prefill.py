@@ -20,8 +20,8 @@ A configuration that does not fit shared memory is reported as an error row. ``-
 runs each configuration once per problem (no timing, no comparison), for a profiler to wrap.
 ``--trace`` prints, per problem and configuration, the device kernels of one call (tile
 metadata in XLA, the kernel) from a profiler trace (``benchmarks/device_trace.py``) next to
-the host clock of the tables. With ``--rounds 1`` it can be timed on several source trees by ``benchmarks/ab.py run`` (its
-rows are matched on problem and configuration).
+the host clock of the tables. With ``--rounds 1`` it can be timed on several source trees by
+``benchmarks/ab.py run`` (its rows are matched on problem and configuration).
 """
 from __future__ import annotations
 

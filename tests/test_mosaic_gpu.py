@@ -249,6 +249,7 @@ def test_register_split_is_checked_and_reaches_the_kernel():
     return str(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((77, 8, 128), jnp.bfloat16),
                                  jax.ShapeDtypeStruct(spec.physical_shape(32), jnp.bfloat16),
                                  i32(5), i32(4), i32(4, 8)))
+
   def register_counts(text):
     """{action: [registers]} of the set_max_registers in a jaxpr's text: an operand on jax
     0.10 (``[action=increase] 232:``), a parameter on 0.11 (``[action=increase n=232]``)."""
@@ -375,7 +376,7 @@ def _nan_poisoned_batch(rng, spec, hq, q_lens, ctx_lens, pad):
   return q, cache, jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(bt)
 
 
-INTERPRET_CASES = [
+NUMERICS_CASES = [
     # layout, H, G, D, N, q_lens, ctx_lens, pad, max_query_len, kwargs ("stages": force the
     # number of K/V slots, so that tiles with more key steps than slots reuse them;
     # "programs": CUDA blocks, fewer than work items, so that each walks several of them and
@@ -391,9 +392,9 @@ INTERPRET_CASES = [
 
 @mosaic_gpu_numerics
 @pytest.mark.parametrize("layout,h,group,head_size,block_size,q_lens,ctx_lens,pad,mql,kw",
-                         INTERPRET_CASES)
+                         NUMERICS_CASES)
 def test_kernel_matches_reference(rng, layout, h, group, head_size, block_size, q_lens,
-                                     ctx_lens, pad, mql, kw):
+                                  ctx_lens, pad, mql, kw):
   spec = kvjax.KVCacheSpec(h, head_size, block_size, layout=layout, dtype=jnp.bfloat16)
   q, cache, qsl, sl, bt = _nan_poisoned_batch(rng, spec, h * group, q_lens, ctx_lens, pad)
   kw = dict(kw, scale=head_size ** -0.5)

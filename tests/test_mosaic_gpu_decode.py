@@ -151,7 +151,7 @@ def test_lowers_to_mosaic_gpu_for_cuda(cache_dtype, layout, h, group, head_size,
 
 # -- numerics: interpret mode, or compiled with KVJAX_TEST_COMPILED=1 --------------------------
 
-INTERPRET_CASES = [
+NUMERICS_CASES = [
     # cache_dtype, layout, H, G, D, N, seq_lens, kwargs
     ("bfloat16", "NHD", 2, 4, 64, 16, [1, 70, 0, 130], dict(num_splits=2)),
     ("fp8", "HND", 2, 7, 64, 32, [200, 5], dict(sliding_window=40, soft_cap=5.0, sinks=True)),
@@ -161,9 +161,9 @@ INTERPRET_CASES = [
 
 @mosaic_gpu_numerics
 @pytest.mark.parametrize("cache_dtype,layout,h,group,head_size,block_size,lens,kw",
-                         INTERPRET_CASES)
+                         NUMERICS_CASES)
 def test_kernel_matches_reference(rng, cache_dtype, layout, h, group, head_size, block_size,
-                                     lens, kw):
+                                  lens, kw):
   spec = kvjax.KVCacheSpec(h, head_size, block_size, cache_dtype, layout=layout, dtype=BF16)
   n = block_size
   pages = [max(1, -(-ln // n)) for ln in lens]
