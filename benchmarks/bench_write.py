@@ -345,6 +345,14 @@ def vllm_write_us(spec, t, rng):
   return time_torch(fn) * 1e3
 
 
+def format_problem(cache_dtype, layout, t_tok, rng, cache_bytes=2 * 2**30):
+  """(spec, cache, inputs) of the per-format problem: H 8, D 128, block 16, a cache of
+  ``cache_bytes``, 4 input sets of ``t_tok`` tokens."""
+  spec = KVCacheSpec(8, 128, 16, cache_dtype, layout)
+  nb = cache_bytes // spec.page_bytes
+  return spec, fill_cache(spec, nb), make_inputs(rng, spec, nb, t_tok, 4)
+
+
 def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, formats=None):
   """Per format: best configuration's device time per write of ``t_tok`` tokens, rates, % of
   the copy's read+written rate, its write kernel alone (profiler trace; None on CPU) and vLLM's
@@ -355,10 +363,8 @@ def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, 
   for cd, layout in (FORMAT_ROWS[::4] if smoke else FORMAT_ROWS):
     if formats is not None and cd not in formats:
       continue
-    spec = KVCacheSpec(8, 128, 16, cd, layout)
-    nb = (2**22 if smoke else 2 * 2**30) // spec.page_bytes
-    cache = fill_cache(spec, nb)
-    inputs = make_inputs(rng, spec, nb, t_tok, 4)
+    spec, cache, inputs = format_problem(cd, layout, t_tok, rng,
+                                         2**22 if smoke else 2 * 2**30)
     wbytes, rbytes = moved_bytes(spec, t_tok)
     default = cu.default_config(spec)
     tried = []
@@ -434,11 +440,7 @@ def format_table_md(rows, t_tok, crate):
 def profile_once(cache_dtype, layout, t_tok):
   """One warm compiled write loop of ``cache_dtype`` (for a profiler: the kernel is named
   ``write_kv_<cache_dtype>_<layout>``)."""
-  spec = KVCacheSpec(8, 128, 16, cache_dtype, layout)
-  rng = np.random.default_rng(0)
-  nb = 2 * 2**30 // spec.page_bytes
-  cache = fill_cache(spec, nb)
-  inputs = make_inputs(rng, spec, nb, t_tok, 4)
+  spec, cache, inputs = format_problem(cache_dtype, layout, t_tok, np.random.default_rng(0))
   sec, cache = device_time_per_write(spec, cache, inputs, 2, 2, False, None)
   log(f"profile {cache_dtype} {layout}: {sec * 1e6:.1f} us per write")
 
@@ -448,10 +450,7 @@ def trace_writes(targets, t_tok, iters=4):
   write, from a profiler trace."""
   rng = np.random.default_rng(0)
   for cd, layout in targets:
-    spec = KVCacheSpec(8, 128, 16, cd, layout)
-    nb = 2 * 2**30 // spec.page_bytes
-    cache = fill_cache(spec, nb)
-    inputs = make_inputs(rng, spec, nb, t_tok, 4)
+    spec, cache, inputs = format_problem(cd, layout, t_tok, rng)
     rows, _ = traced_kernels(spec, cache, inputs, iters, None)
     log(f"  {cd} {layout}: kernels a write (the loop's cache copies included):")
     for name, us, launches in rows:
