@@ -10,11 +10,13 @@ Kernels:     python benchmarks/bench_write.py --trace nvfp4:HND,int4_per_token_h
 2. optimized HLO of the donated jitted write: any ``copy`` of the cache?
 3. bf16 write of 8192 tokens (H=8, D=128, N=16, NHD) into a 2 GB and a 32 GB cache, against
    a measured device copy rate (part "timing");
-5. every format's quantize-on-write of 8192 tokens, best of a launch-config sweep, next to
-   vLLM's writers where they run (part "formats"), and the best config's write kernel alone
-   from a profiler trace of the same loop (``--trace``: only the traced kernels).
+5. every format's quantize-on-write of 8192 tokens, best of a launch-config sweep
+   (``--default-config``: the default only), next to vLLM's writers where they run (part
+   "formats"), the best config's write kernel alone from a profiler trace of the same loop
+   (``--trace``: only the traced kernels), and its writes queued without a loop.
 Timing: a jitted, cache-donating ``fori_loop`` of writes (4 rotating input sets a step, so
-nothing stays in L2), device time per write = loop time / writes, median of trials.
+nothing stays in L2), device time per write = loop time / writes, median of trials; "queued":
+32 writes unrolled in one jit, called back to back (what a jitted serving step pays).
 Copy rate: an XLA device-to-device copy of 1 GiB, timed the same way (bytes written / s;
 bytes moved = 2x that). Rates are "bytes written / s" and "bytes read + written / s".
 """
@@ -214,19 +216,37 @@ def hlo_finding(spec, nb, t, interpret, log_dir):
 
 
 # -- 3./5. timing -----------------------------------------------------------------------------
-def write_loop(spec, iters, interpret, config):
-  """``(cache, inputs) -> cache``: ``iters`` steps of one write per input set (a fori_loop)."""
+def one_write(spec, interpret, config):
+  """``(cache, k, v, slots) -> cache``: one write of the benchmark (fixed tensor scales)."""
   ks, vs = ((jnp.float32(0.3), jnp.float32(0.2)) if spec.format.has_tensor_scales
             else (None, None))
+  return lambda c, k, v, s: cu.write_kv(c, k, v, s, spec, k_scale=ks, v_scale=vs,
+                                        interpret=interpret, config=config)
+
+
+def write_loop(spec, iters, interpret, config):
+  """``(cache, inputs) -> cache``: ``iters`` steps of one write per input set (a fori_loop)."""
+  write = one_write(spec, interpret, config)
 
   def loop(c, inputs):
     def body(_, c):
       for k, v, s in inputs:
-        c = cu.write_kv(c, k, v, s, spec, k_scale=ks, v_scale=vs, interpret=interpret,
-                        config=config)
+        c = write(c, k, v, s)
       return c
     return jax.lax.fori_loop(0, iters, body, c)
   return loop
+
+
+def write_chain(spec, rounds, interpret, config):
+  """``(cache, inputs) -> cache``: ``rounds`` x one write per input set, unrolled (no loop)."""
+  write = one_write(spec, interpret, config)
+
+  def chain(c, inputs):
+    for _ in range(rounds):
+      for k, v, s in inputs:
+        c = write(c, k, v, s)
+    return c
+  return chain
 
 
 def device_time_per_write(spec, cache, inputs, iters, trials, interpret, config):
@@ -240,6 +260,24 @@ def device_time_per_write(spec, cache, inputs, iters, trials, interpret, config)
     cache = f(cache, inputs)
     cache.block_until_ready()
     times.append((time.perf_counter() - t0) / (iters * len(inputs)))
+  return statistics.median(times), cache
+
+
+def queued_time_per_write(spec, cache, inputs, rounds, calls, trials, interpret, config):
+  """Median device seconds per write as a jitted serving step sees it: one jit of ``rounds`` x
+  ``len(inputs)`` writes unrolled (no ``fori_loop``: on the H200 its clock has 3-7 µs a write
+  between the loop's kernels), called ``calls`` times back to back (donated, one sync at the
+  end)."""
+  f = jax.jit(write_chain(spec, rounds, interpret, config), donate_argnums=0)
+  cache = f(cache, inputs)
+  cache.block_until_ready()
+  times = []
+  for _ in range(trials):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      cache = f(cache, inputs)
+    cache.block_until_ready()
+    times.append((time.perf_counter() - t0) / (calls * rounds * len(inputs)))
   return statistics.median(times), cache
 
 
@@ -353,13 +391,14 @@ def format_problem(cache_dtype, layout, t_tok, rng, cache_bytes=2 * 2**30):
   return spec, fill_cache(spec, nb), make_inputs(rng, spec, nb, t_tok, 4)
 
 
-def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, formats=None):
+def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, formats=None,
+                 default_only=False):
   """Per format: best configuration's device time per write of ``t_tok`` tokens, rates, % of
-  the copy's read+written rate, its write kernel alone (profiler trace; None on CPU) and vLLM's
-  writer on the same problem. ``formats``: the cache
-  dtypes to time (None: all)."""
+  the copy's read+written rate, its write kernel alone (profiler trace; None on CPU), its
+  writes queued without a loop, and vLLM's writer on the same problem. ``formats``: the cache
+  dtypes to time (None: all); ``default_only``: time the default config only."""
   rows = []
-  configs = FORMAT_CONFIGS[:2] if smoke else FORMAT_CONFIGS
+  configs = [] if default_only else FORMAT_CONFIGS[:2] if smoke else FORMAT_CONFIGS
   for cd, layout in (FORMAT_ROWS[::4] if smoke else FORMAT_ROWS):
     if formats is not None and cd not in formats:
       continue
@@ -382,12 +421,18 @@ def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, 
     if not tried:
       continue
     best_sec, best_cfg = min(tried, key=lambda x: x[0])
-    kernel_us = None
+    kernel_us = queued_sec = None
     if not interpret:
       try:
         kernel_us = traced_kernels(spec, cache, inputs, 4, best_cfg)[1]
       except Exception as e:   # noqa: BLE001
         log(f"  {cd} {layout} trace: ERROR {type(e).__name__}: {str(e)[:200]}")
+    try:
+      queued_sec, cache = queued_time_per_write(spec, cache, inputs, 1 if smoke else 8,
+                                                1 if smoke else 4, max(2, trials - 2),
+                                                interpret, best_cfg)
+    except Exception as e:   # noqa: BLE001
+      log(f"  {cd} {layout} queued: ERROR {type(e).__name__}: {str(e)[:200]}")
     del cache, inputs
     default_sec = tried[0][0] if tried[0][1] == default else float("nan")
     try:
@@ -402,12 +447,17 @@ def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, 
                written_mb=wbytes / 1e6, read_mb=rbytes / 1e6, rw_tbs=rw / 1e12,
                pct_copy=100 * rw / (2 * crate), vllm_us=vllm_us, kernel_us=kernel_us,
                kernel_pct_copy=(None if kernel_us is None else
-                                100 * (wbytes + rbytes) / (kernel_us * 1e-6) / (2 * crate)))
+                                100 * (wbytes + rbytes) / (kernel_us * 1e-6) / (2 * crate)),
+               queued_us=None if queued_sec is None else queued_sec * 1e6,
+               queued_pct_copy=(None if queued_sec is None else
+                                100 * (wbytes + rbytes) / queued_sec / (2 * crate)))
     rows.append(row)
     log(f"  {cd:22s} {layout}: best {row['us']:6.1f} us ({row['config']}), default "
         f"{row['default_us']:6.1f} us, r+w {row['rw_tbs']:.3f} TB/s = {row['pct_copy']:5.1f}% of "
         f"copy; kernel alone {_cell(kernel_us, '.1f', ' us')} = "
-        f"{_cell(row['kernel_pct_copy'], '.1f', '%')} of copy; vLLM "
+        f"{_cell(row['kernel_pct_copy'], '.1f', '%')} of copy; queued "
+        f"{_cell(row['queued_us'], '.1f', ' us')} = {_cell(row['queued_pct_copy'], '.1f', '%')}"
+        f" of copy; vLLM "
         f"{_cell(vllm_us, '.1f', ' us')}")
   return rows
 
@@ -416,24 +466,29 @@ def _cell(x, fmt, unit=""):
   return "-" if x is None else f"{x:{fmt}}{unit}"
 
 
-def format_table_md(rows, t_tok, crate):
+def format_table_md(rows, t_tok, crate, default_only=False):
   lines = [f"{t_tok} tokens, H=8, D=128, N=16, random pages, 2 GB cache; % = (K/V bf16 read + "
            f"format rows written) / s over the device copy's read+written rate "
-           f"({2 * crate / 1e12:.3f} TB/s); best of {len(FORMAT_CONFIGS)} launch configs "
-           "(default's time next to it), one write of a fori_loop of writes (launch gaps "
+           f"({2 * crate / 1e12:.3f} TB/s); "
+           + ("the default launch config" if default_only else
+              f"best of {len(FORMAT_CONFIGS)} launch configs (default's time next to it)")
+           + ", one write of a fori_loop of writes (launch gaps "
            "included); kernel = the best config's write kernel alone, from a profiler trace of "
-           "the same loop; vLLM = its Triton writer on the same problem (int4: its "
-           "quantize-and-store kernel on pre-rotated rows).", "",
+           "the same loop; queued = the best config's writes unrolled in one jit (32 a call, "
+           "calls back to back: no loop); vLLM = its Triton writer on the same problem (int4: "
+           "its quantize-and-store kernel on pre-rotated rows).", "",
            "| cache dtype | layout | µs (best) | config | µs (default) | written MB | "
-           "r+w TB/s | % of copy | kernel µs | kernel % of copy | vLLM µs | vs vLLM |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "r+w TB/s | % of copy | kernel µs | kernel % of copy | queued µs | queued % of copy "
+           "| vLLM µs | vs vLLM |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     v = r["vllm_us"]
     vs = "-" if v is None else f"{v / r['us']:.2f}x"
     lines.append(f"| {r['cache_dtype']} | {r['layout']} | {r['us']:.1f} | {r['config']} | "
                  f"{r['default_us']:.1f} | {r['written_mb']:.1f} | {r['rw_tbs']:.3f} | "
                  f"{r['pct_copy']:.1f} | {_cell(r.get('kernel_us'), '.1f')} | "
-                 f"{_cell(r.get('kernel_pct_copy'), '.1f')} | {_cell(v, '.1f')} | {vs} |")
+                 f"{_cell(r.get('kernel_pct_copy'), '.1f')} | {_cell(r.get('queued_us'), '.1f')} | "
+                 f"{_cell(r.get('queued_pct_copy'), '.1f')} | {_cell(v, '.1f')} | {vs} |")
   return lines
 
 
@@ -469,6 +524,8 @@ def main():
                   "formats (the per-format table)")
   ap.add_argument("--json", default=None, help="write the per-format table here")
   ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's writers")
+  ap.add_argument("--default-config", action="store_true",
+                  help="per-format table: time each format's default launch config only")
   ap.add_argument("--formats", default=None,
                   help="comma list of cache dtypes for the per-format table (default: all)")
   ap.add_argument("--profile", default=None, metavar="CACHE_DTYPE:LAYOUT",
@@ -511,7 +568,8 @@ def main():
   cases = [(c, "", None) for c in base]
   cases += [(c, "strided pairs", strided) for c in base
             if c[0] in ("int4_per_token_head", "nvfp4")][:3]
-  cases += [(("nvfp4", "HND", 8, 128, 16), "tiny SF (k_scale x300)", None)]
+  if "checks" in parts:
+    cases += [(("nvfp4", "HND", 8, 128, 16), "tiny SF (k_scale x300)", None)]
   rows1 = []
   for case, note, cfg in cases:
     t0 = time.perf_counter()
@@ -624,7 +682,8 @@ def main():
     log("\n## 5. per-format table")
     format_rows = format_table(rng, crate, t_tok, iters, trials, interpret, smoke,
                                not args.no_vllm,
-                               None if args.formats is None else args.formats.split(","))
+                               None if args.formats is None else args.formats.split(","),
+                               args.default_config)
     if args.json:
       import json
       with open(args.json, "w") as fh:
@@ -675,7 +734,7 @@ def main():
                  f"{row[5]:.3f} | {row[6]:.1f} |")
   if format_rows:
     lines += ["", "## 5. Per format (device time per write, best launch config)", ""]
-    lines += format_table_md(format_rows, t_tok, crate)
+    lines += format_table_md(format_rows, t_tok, crate, args.default_config)
   md = "\n".join(lines) + "\n"
   print("\n" + md)
   if args.md:

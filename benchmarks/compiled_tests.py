@@ -26,14 +26,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: Group name -> test files, in the order they run by default.
 GROUPS = {
-    "write": ["tests/test_op_write.py", "tests/test_triton_write.py", "tests/test_quant.py"],
+    "write": ["tests/test_op_write.py", "tests/test_triton_write.py", "tests/test_quant.py",
+              "tests/test_layered.py"],
     "triton": ["tests/test_triton_decode.py", "tests/test_triton_ragged.py",
                "tests/test_fast_paths.py"],
     "attention": ["tests/test_op_attention.py", "tests/test_op_read.py"],
     "mosaic": ["tests/test_mosaic_gpu.py", "tests/test_mosaic_gpu_decode.py",
                "tests/test_registry.py"],
     "torch": ["tests/test_torch_backend.py", "tests/test_torch_bridge.py",
-              "tests/test_vllm_adapter.py"],
+              "tests/test_torch_layered.py", "tests/test_vllm_adapter.py",
+              "tests/test_facade_buckets.py"],
 }
 _OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 

@@ -76,6 +76,12 @@ VARIANTS = {
     "page_ids": {"page_block_ids": True},
     "merge": {"merge_in_kernel": True},
     "merge_p16": {"merge_in_kernel": True, "target_programs": 16 * NUM_SMS},
+    # the split count: programs aimed at (default 8 x 132; 64 x 4096 at 4 / 6 / 8 / 12 / 16 x
+    # 132: 2 / 2 / 3 / 4 / 5 splits, 8 x 32768: 9 / 13 / 17 / 25 / 33)
+    "p4": {"target_programs": 4 * NUM_SMS},
+    "p6": {"target_programs": 6 * NUM_SMS},
+    "p12": {"target_programs": 12 * NUM_SMS},
+    "p16": {"target_programs": 16 * NUM_SMS},
 }
 
 

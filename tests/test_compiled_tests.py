@@ -1,5 +1,7 @@
 """benchmarks/compiled_tests.py: its pytest command and its counts of a run's outcomes, on a
 stand-in test file run for real (with and without xdist, finished and stopped early)."""
+import os
+import re
 import subprocess
 
 import pytest
@@ -51,3 +53,18 @@ def test_a_group_stopped_by_its_limit_keeps_what_finished(tmp_path, monkeypatch,
   assert stopped and counts["passed"] == 2 and counts["failed"] == 1
   assert "stopped at its 12 s limit" in capsys.readouterr().out
   assert (tmp_path / "compiled_standin.log").read_text()
+
+
+def test_every_module_with_a_compiled_mode_is_in_a_group():
+  """A test module that picks its mode from ``op_suite`` (interpret on CPU, compiled with
+  ``KVJAX_TEST_COMPILED=1``) runs on the GPU only if a group names it."""
+  tests = os.path.join(ct.ROOT, "tests")
+  grouped = {os.path.basename(f) for files in ct.GROUPS.values() for f in files}
+  uses_mode = re.compile(r"\b(run_mode|triton_interpret|mosaic_gpu_numerics)\(")
+  modal = set()
+  for name in os.listdir(tests):
+    if name.startswith("test_") and name.endswith(".py"):
+      with open(os.path.join(tests, name)) as f:
+        if uses_mode.search(f.read()):
+          modal.add(name)
+  assert modal and modal <= grouped, sorted(modal - grouped)

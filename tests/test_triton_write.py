@@ -1,7 +1,10 @@
 """What is particular to the Triton write kernel: launch configs, in-place donation, the CUDA
 lowering, and the arithmetic it shares with the reference.
 
-The write case suite (every format, every implementation) is test_op_write.py.
+The write case suite (every format, every implementation) is test_op_write.py. The kernel
+calls here run in interpret mode on CPU and compiled on a GPU with ``KVJAX_TEST_COMPILED=1``
+(``benchmarks/compiled_tests.py``), except the CPU properties (in-place donation in interpret
+mode, the CUDA lowering).
 """
 import jax
 import jax.numpy as jnp
@@ -10,17 +13,19 @@ import pytest
 
 from kvjax import KVCacheSpec, quant
 from kvjax.reference import cache_update as ref
-from kv_testing import as_bytes, poisoned_cache, random_kv
+from kv_testing import as_bytes, assert_written_as_reference, poisoned_cache, random_kv
+from op_suite import triton_interpret
 from pallas_kernels.triton import write as cu
 from pallas_kernels import common
 
 NUM_BLOCKS = 5
+INTERPRET = triton_interpret()   # interpret mode on CPU; compiled on a GPU
 _ref_write = jax.jit(ref.write_kv, static_argnums=4)
 
 
 def _kernel_write(cache, key, value, slots, spec, ks=None, vs=None, config=None):
-  return cu.write_kv(cache, key, value, slots, spec, k_scale=ks, v_scale=vs, interpret=True,
-                     config=config)
+  return cu.write_kv(cache, key, value, slots, spec, k_scale=ks, v_scale=vs,
+                     interpret=INTERPRET, config=config)
 
 
 def _slots(rng, spec, t, pad):
@@ -38,11 +43,11 @@ def test_launch_configs_store_the_same_bytes(rng, cache_dtype):
   t = 13
   slots = _slots(rng, spec, t, pad=2)
   key, value = random_kv(rng, spec, t + 2)
-  want = as_bytes(_ref_write(cache, key, value, slots, spec, None, None))
+  want = _ref_write(cache, key, value, slots, spec, None, None)
   for config in (cu.WriteConfig(tokens_per_program=4),
                  cu.WriteConfig(tokens_per_program=2, pair_split=True)):
-    got = as_bytes(_kernel_write(cache, key, value, slots, spec, config=config))
-    np.testing.assert_array_equal(got, want, err_msg=str(config))
+    got = _kernel_write(cache, key, value, slots, spec, config=config)
+    assert_written_as_reference(got, want, spec, slots)
 
 
 @pytest.mark.parametrize("cache_dtype,head_size,words", [
@@ -59,10 +64,9 @@ def test_word_and_byte_stores_write_the_reference_bytes(rng, cache_dtype, head_s
   t = 21
   slots = _slots(rng, spec, t, pad=3)
   key, value = random_kv(rng, spec, t + 3)
-  want = as_bytes(_ref_write(cache, key, value, slots, spec, None, None))
-  got = as_bytes(_kernel_write(cache, key, value, slots, spec))
-  np.testing.assert_array_equal(got, want)
-  assert (want != as_bytes(cache)).any()
+  want = _ref_write(cache, key, value, slots, spec, None, None)
+  assert_written_as_reference(_kernel_write(cache, key, value, slots, spec), want, spec, slots)
+  assert (as_bytes(want) != as_bytes(cache)).any()
 
 
 def test_donated_write_is_in_place():

@@ -23,7 +23,9 @@ class DecodeConfig:
       >= 16); a step spans ``tokens_per_step / block_size`` pages (at least one).
     num_splits: KV splits per (sequence, KV head); None = :func:`choose_num_splits`.
     target_programs: with ``num_splits=None``, aim for at least this many programs
-      (sequences x KV heads x splits) so that few long sequences still fill the SMs.
+      (sequences x KV heads x splits) so that few long sequences still fill the SMs. (H200,
+      one-byte formats, 2026-12-03: 4, 6, 12 and 16 x 132 instead of 8 x 132 were no faster
+      across shapes, within the spread between rounds; benchmarks/RESULTS.md.)
     single_pass_programs: with ``num_splits=None``, use one split (the kernel then
       normalizes and writes the output itself, no merge pass) once sequences x KV
       heads reach this many programs.
