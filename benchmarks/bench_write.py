@@ -733,7 +733,8 @@ def main():
     lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]:.1f} | {row[4]:.3f} | "
                  f"{row[5]:.3f} | {row[6]:.1f} |")
   if format_rows:
-    lines += ["", "## 5. Per format (device time per write, best launch config)", ""]
+    lines += ["", "## 5. Per format (device time per write, "
+              + ("default" if args.default_config else "best") + " launch config)", ""]
     lines += format_table_md(format_rows, t_tok, crate, args.default_config)
   md = "\n".join(lines) + "\n"
   print("\n" + md)
