@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Group name -> test files, in the order they run by default.
 GROUPS = {
     "write": ["tests/test_op_write.py", "tests/test_triton_write.py", "tests/test_quant.py",
-              "tests/test_layered.py"],
+              "tests/test_layered.py", "tests/test_edges.py"],
     "triton": ["tests/test_triton_decode.py", "tests/test_triton_ragged.py",
                "tests/test_fast_paths.py"],
     "attention": ["tests/test_op_attention.py", "tests/test_op_read.py"],

@@ -125,7 +125,8 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
   call = registry.AttentionCall(num_tokens=q.shape[0], num_q_heads=q.shape[1],
                                 num_seqs=seq_lens.shape[0],
                                 max_blocks=block_table.shape[1], max_query_len=max_query_len)
-  run = registry.ATTENTION.choose(impl, interpret, spec, q.dtype, call=call, also=also)
+  run = registry.ATTENTION.choose(impl, interpret, spec, q.dtype, call=call, also=also,
+                                  on=registry.platform_of(cache))
   if stack is not None:
     cache, block_table = stack.attention_operands(cache, spec, block_table, run.impl.xla)
   rot = spec.codec.rotation

@@ -59,7 +59,7 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   V.check_kv_tokens(spec, key, value, slot_mapping.shape[0])
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
-  run = registry.WRITE.choose(impl, interpret, spec)
+  run = registry.WRITE.choose(impl, interpret, spec, on=registry.platform_of(cache))
   rot = spec.codec.rotation
   key, value = rot.rotate(key), rot.rotate(value)
   stack = Stack.of(spec, cache, V.layer_index(layer))
@@ -99,7 +99,7 @@ def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl
   slots = V.check_slots(slots, num_slots, name="slots", negative_ok=False)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
-  run = registry.READ.choose(impl, interpret, spec)
+  run = registry.READ.choose(impl, interpret, spec, on=registry.platform_of(cache))
   stack = Stack.of(spec, cache, V.layer_index(layer))
   valid = (slots >= 0) & (slots < num_slots) & (True if stack is None else stack.layer_ok())
   slots = jnp.where(valid, slots, 0)

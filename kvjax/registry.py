@@ -66,8 +66,32 @@ class AttentionCall:
 
 
 def platform() -> str:
-  """The default backend's platform: "cpu", "gpu" or "tpu"."""
-  return jax.default_backend()
+  """The platform computations go to by default: that of ``jax.default_device`` where it is
+  set (a device or a platform name), else the default backend's ("cpu", "gpu" or "tpu")."""
+  dev = jax.config.jax_default_device
+  if dev is None:
+    return jax.default_backend()
+  name = dev if isinstance(dev, str) else dev.platform
+  return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+
+
+def platform_of(array) -> str:
+  """The platform an op on ``array`` runs on: a concrete JAX array's (its devices'), else (a
+  traced value, a numpy array) :func:`platform`'s. A cache placed on the CPU of a GPU machine
+  is then written and read on the CPU, by an implementation that runs there; a jitted step on
+  such a cache decides by :func:`platform` (``with jax.default_device(cpu): ...``).
+
+  >>> import jax, jax.numpy as jnp
+  >>> platform_of(jax.device_put(jnp.zeros(2), jax.devices("cpu")[0]))
+  'cpu'
+  """
+  if not isinstance(array, jax.Array):
+    return platform()
+  try:
+    devices = array.devices()
+  except jax.errors.ConcretizationTypeError:         # traced: placed when the call runs
+    return platform()
+  return next(iter(devices)).platform
 
 
 def load_target(target: Target):

@@ -3,7 +3,8 @@
 - ERRORS: bad input gets the exact exception type, and the message names the argument
   and shows the value. Each row runs eagerly and inside ``jax.jit`` (cache and q
   traced, the bad argument closed over, so value checks still run), with
-  ``impl="reference"`` and ``impl="pallas"`` (interpret): every check runs before a kernel.
+  ``impl="reference"`` and ``impl="pallas"`` (interpret mode on CPU, compiled on a GPU with
+  ``KVJAX_TEST_COMPILED=1``): every check runs before a kernel.
 - Writes: slots past the end dropped (never wrapped) under jit, int64 slots never
   wrapped, NaN payloads of untouched blocks kept bit for bit, duplicate slots, int4 range.
 - Attention under jit with invalid metadata: reference and kernels agree.
@@ -22,7 +23,9 @@ import pytest
 
 import kvjax
 from kvjax import KVCacheSpec
-from kv_testing import as_bytes, assert_roundtrip, poisoned_cache, random_kv
+from kv_testing import (as_bytes, assert_roundtrip, assert_written_as_reference, poisoned_cache,
+                        random_kv)
+from op_suite import triton_interpret
 
 torch = pytest.importorskip("torch")
 import torch_bridge as tb  # noqa: E402
@@ -30,6 +33,9 @@ import torch_bridge as tb  # noqa: E402
 H, HQ, D, N, B = 2, 4, 32, 16, 4
 NUM_SLOTS = B * N
 IMPLS = ("reference", "pallas")
+#: The "pallas" implementation's mode: interpret on CPU, compiled on a GPU with
+#: KVJAX_TEST_COMPILED=1 (benchmarks/compiled_tests.py).
+INTERPRET = triton_interpret()
 I32_MAX = 2**31 - 1
 
 
@@ -183,7 +189,7 @@ def _call(op, args, impl):
   if op == "read":
     return kvjax.read_kv(a.pop("cache"), a.pop("spec"), a.pop("slots"), **a)
   a.setdefault("impl", impl)
-  a.setdefault("interpret", True)
+  a.setdefault("interpret", INTERPRET)
   if op == "write":
     return kvjax.write_kv(a.pop("cache"), a.pop("key"), a.pop("value"), a.pop("slot_mapping"),
                           a.pop("spec"), **a)
@@ -244,7 +250,7 @@ T = 8        # tokens of every write below (slot mappings padded with -1)
 def _jit_write(spec, impl):
   """write_kv jitted with the cache donated; k_scale/v_scale an argument (None or an array)."""
   return jax.jit(lambda c, k, v, s, ks: kvjax.write_kv(c, k, v, s, spec, k_scale=ks, v_scale=ks,
-                                                        impl=impl, interpret=True),
+                                                        impl=impl, interpret=INTERPRET),
                  donate_argnums=0)
 
 
@@ -257,14 +263,14 @@ def _jit_read(spec):
 def _jit_attention(spec, impl):
   return jax.jit(lambda q, c, qsl, sl, bt: kvjax.unified_attention(
       q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=0.125, impl=impl,
-      interpret=True))
+      interpret=INTERPRET))
 
 
 def _write(mode, spec, impl, cache, key, value, slots, ks=None):
   """A write with ``T`` slots, eagerly or through :func:`_jit_write` (cache donated)."""
   if mode == "eager":
     return kvjax.write_kv(cache, key, value, slots, spec, k_scale=ks, v_scale=ks, impl=impl,
-                          interpret=True)
+                          interpret=INTERPRET)
   return _jit_write(spec, impl)(cache, key, value, jnp.asarray(slots), ks)
 
 
@@ -339,8 +345,8 @@ def test_formats_without_global_scales_ignore_k_and_v_scale(rng, cache_dtype):
   want = kvjax.write_kv(cache, key, value, slots, spec)
   for impl in IMPLS:
     got = kvjax.write_kv(cache, key, value, slots, spec, k_scale=7.0, v_scale=jnp.float32(-3.0),
-                         impl=impl, interpret=True)
-    np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
+                         impl=impl, interpret=INTERPRET)
+    assert_written_as_reference(got, want, spec, slots)
   for a, b in zip(kvjax.read_kv(want, spec, slots[:3], k_scale=7.0, v_scale=0.25),
                   kvjax.read_kv(want, spec, slots[:3])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -377,7 +383,7 @@ def test_int64_slots_are_never_wrapped(rng, impl, mode):
   key, value = random_kv(rng, spec, T)
   slots = np.array([-(2**32) + 5, 7, -(2**33) + 9, -(2**63)] + [-1] * (T - 4), np.int64)
   want = kvjax.write_kv(cache, key, value, _slots(-1, 7), spec)
-  fn = lambda c: kvjax.write_kv(c, key, value, slots, spec, impl=impl, interpret=True)
+  fn = lambda c: kvjax.write_kv(c, key, value, slots, spec, impl=impl, interpret=INTERPRET)
   got = fn(cache) if mode == "eager" else jax.jit(fn)(cache)
   np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
 
@@ -429,9 +435,9 @@ def test_duplicate_slots_last_token_wins_in_the_reference(rng, mode):
   cache = poisoned_cache(rng, spec, B)
   key, value = random_kv(rng, spec, T)
   last = jnp.array([3, 1] + [0] * (T - 2))
-  want = kvjax.write_kv(cache, key[last], value[last], _slots(9, 40), spec)
+  want = kvjax.write_kv(cache, key[last], value[last], _slots(9, 40), spec, impl="reference")
   got = _write(mode, spec, "reference", cache, key, value, _slots(9, 40, 9, 9))
-  np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
+  assert_written_as_reference(got, want, spec, _slots(9, 40))
 
 
 def _int4_rows_at_the_rotation_limit(rng, shape):
@@ -481,12 +487,12 @@ def test_public_ops_jit_with_the_spec_as_an_argument(rng, impl):
   key, value = random_kv(rng, spec, T)
   slots = jnp.asarray(_slots(2, 21, 47))
   ks = jnp.float32(0.5)
-  write = jax.jit(functools.partial(kvjax.write_kv, impl=impl, interpret=True))
+  write = jax.jit(functools.partial(kvjax.write_kv, impl=impl, interpret=INTERPRET))
   got = write(cache, key, value, slots, spec, k_scale=ks, v_scale=ks)
   want = kvjax.write_kv(cache, key, value, slots, spec, k_scale=ks, v_scale=ks)
   np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
   args = _attention_batch(rng, _spec())
-  attend = jax.jit(functools.partial(kvjax.unified_attention, impl=impl, interpret=True))
+  attend = jax.jit(functools.partial(kvjax.unified_attention, impl=impl, interpret=INTERPRET))
   out = attend(args["q"], args["cache"], args["spec"], scale=0.125,        # a traced scale
                **{k: args[k] for k in ("query_start_loc", "seq_lens", "block_table")})
   np.testing.assert_allclose(np.asarray(out, np.float32), _attend(args, "reference"),
@@ -660,12 +666,14 @@ def test_donating_a_cache_torch_views_copies_on_cpu(rng):
   """docs/edges.md: on CPU, donating a JAX cache that to_torch shared is not honoured: the
   write goes to a new buffer and the torch tensor keeps the old bytes."""
   spec = _spec()
-  cache = poisoned_cache(rng, spec, B)
+  cpu = jax.devices("cpu")[0]
+  cache = jax.device_put(poisoned_cache(rng, spec, B), cpu)
   t = tb.to_torch(cache, spec)
   before = _physical_bytes(t, spec)
   key, value = random_kv(rng, spec, 2)
-  new = jax.jit(kvjax.write_kv, static_argnums=4, donate_argnums=0)(
-      cache, key, value, jnp.array([1, 2], jnp.int32), spec)
+  with jax.default_device(cpu):   # (a GPU machine: the jitted write decides for the CPU)
+    new = jax.jit(kvjax.write_kv, static_argnums=4, donate_argnums=0)(
+        cache, key, value, jnp.array([1, 2], jnp.int32), spec)
   assert new.unsafe_buffer_pointer() != t.data_ptr()
   assert not cache.is_deleted()
   np.testing.assert_array_equal(_physical_bytes(t, spec), before)

@@ -107,3 +107,37 @@ def test_mosaic_gpu_auto_rule():
   fp8 = kvjax.KVCacheSpec(8, 128, 16, "fp8")
   assert prefer_attention(fp8, jnp.bfloat16, call(4096)) is None          # prefill: copy pays
   assert "plain copy" in prefer_attention(fp8, jnp.bfloat16, call(128, tokens=192, seqs=64))
+
+
+def test_ops_decide_for_the_platform_their_cache_is_on(rng, monkeypatch):
+  """On a GPU machine a cache placed on the CPU is written, read and attended on the CPU (by an
+  implementation that runs there), not handed to a GPU kernel; a jitted call (its cache has no
+  device while traced) decides by jax.default_device where that is set. The GPU default
+  backend is simulated here."""
+  import jax
+  import numpy as np
+  from attention_cases import build_batch
+  from kv_testing import as_bytes, poisoned_cache, random_kv
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16,
+                           cache_dtype="int8_per_token_head")
+  cpu = jax.devices("cpu")[0]
+  cache = jax.device_put(poisoned_cache(rng, spec, 4), cpu)
+  key, value = random_kv(rng, spec, 3)
+  slots = jnp.array([5, 40, -1], jnp.int32)
+  want = kvjax.write_kv(cache, key, value, slots, spec, impl="reference")
+  q, acache, meta, _, _ = build_batch(rng, spec, [3, 1], [4, 9], 4)
+  want_out = kvjax.unified_attention(q, acache, spec, scale=0.2, impl="reference", **meta)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert registry.platform() == "gpu" and registry.platform_of(np.zeros(2)) == "gpu"
+  assert registry.platform_of(cache) == "cpu"
+  got = kvjax.write_kv(cache, key, value, slots, spec)
+  np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
+  for a, b in zip(kvjax.read_kv(got, spec, slots[:2]), kvjax.read_kv(want, spec, slots[:2],
+                                                                     impl="reference")):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  out = kvjax.unified_attention(q, acache, spec, scale=0.2, **meta)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+  with jax.default_device(cpu):
+    assert registry.platform() == "cpu"
+    jitted = jax.jit(kvjax.write_kv, static_argnums=4)(cache, key, value, slots, spec)
+  np.testing.assert_array_equal(as_bytes(jitted), as_bytes(want))
