@@ -126,6 +126,7 @@ def test_ops_decide_for_the_platform_their_cache_is_on(rng, monkeypatch):
   slots = jnp.array([5, 40, -1], jnp.int32)
   want = kvjax.write_kv(cache, key, value, slots, spec, impl="reference")
   q, acache, meta, _, _ = build_batch(rng, spec, [3, 1], [4, 9], 4)
+  q, acache, meta = jax.device_put((q, acache, meta), cpu)
   want_out = kvjax.unified_attention(q, acache, spec, scale=0.2, impl="reference", **meta)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert registry.platform() == "gpu" and registry.platform_of(np.zeros(2)) == "gpu"
