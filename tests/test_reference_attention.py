@@ -67,7 +67,7 @@ def test_auto_on_gpu_runs_the_ragged_kernel(rng, monkeypatch):
   monkeypatch.setattr(ragged_attention, "ragged_paged_attention", spy)
   spec = spec_for("bfloat16", num_kv_heads=2, head_size=32)
   q, cache, meta, kk, vv = build_batch(rng, spec, [3, 1], [4, 9], 4)
-  monkeypatch.setattr(registry, "platform", lambda: "gpu")
+  monkeypatch.setattr(registry, "platform_of", lambda cache: "gpu")   # the cache on a GPU
   out = kvjax.unified_attention(q, cache, spec, scale=0.2, interpret=True, **meta)
   assert calls == [True]
   np.testing.assert_allclose(np.asarray(out), numpy_attention(q, meta, kk, vv, scale=0.2),
