@@ -1,8 +1,12 @@
 """kvjax.registry: which implementation runs each op, on which platform, and why."""
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import kvjax
+from attention_cases import build_batch
+from kv_testing import as_bytes, poisoned_cache, random_kv
 from kvjax import registry
 
 SPEC = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16)
@@ -114,10 +118,6 @@ def test_ops_decide_for_the_platform_their_cache_is_on(rng, monkeypatch):
   implementation that runs there), not handed to a GPU kernel; a jitted call (its cache has no
   device while traced) decides by jax.default_device where that is set. The GPU default
   backend is simulated here."""
-  import jax
-  import numpy as np
-  from attention_cases import build_batch
-  from kv_testing import as_bytes, poisoned_cache, random_kv
   spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16,
                            cache_dtype="int8_per_token_head")
   cpu = jax.devices("cpu")[0]
