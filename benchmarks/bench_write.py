@@ -224,19 +224,6 @@ def one_write(spec, interpret, config):
                                         interpret=interpret, config=config)
 
 
-def write_loop(spec, iters, interpret, config):
-  """``(cache, inputs) -> cache``: ``iters`` steps of one write per input set (a fori_loop)."""
-  write = one_write(spec, interpret, config)
-
-  def loop(c, inputs):
-    def body(_, c):
-      for k, v, s in inputs:
-        c = write(c, k, v, s)
-      return c
-    return jax.lax.fori_loop(0, iters, body, c)
-  return loop
-
-
 def write_chain(spec, rounds, interpret, config):
   """``(cache, inputs) -> cache``: ``rounds`` x one write per input set, unrolled (no loop)."""
   write = one_write(spec, interpret, config)
@@ -249,27 +236,17 @@ def write_chain(spec, rounds, interpret, config):
   return chain
 
 
-def device_time_per_write(spec, cache, inputs, iters, trials, interpret, config):
-  """Median device seconds per write: a donated jitted fori_loop over rotating input sets."""
-  f = jax.jit(write_loop(spec, iters, interpret, config), donate_argnums=0)
+def write_loop(spec, iters, interpret, config):
+  """``(cache, inputs) -> cache``: ``iters`` steps of one write per input set (a fori_loop)."""
+  step = write_chain(spec, 1, interpret, config)
+  return lambda c, inputs: jax.lax.fori_loop(0, iters, lambda _, c: step(c, inputs), c)
+
+
+def _time_per_write(fn, writes_per_call, cache, inputs, calls, trials):
+  """Median seconds per write of ``fn(cache, inputs) -> cache`` jitted with the cache donated,
+  called ``calls`` times back to back a trial (one sync at the end); returns the cache too."""
+  f = jax.jit(fn, donate_argnums=0)
   cache = f(cache, inputs)               # compile + warm up
-  cache.block_until_ready()
-  times = []
-  for _ in range(trials):
-    t0 = time.perf_counter()
-    cache = f(cache, inputs)
-    cache.block_until_ready()
-    times.append((time.perf_counter() - t0) / (iters * len(inputs)))
-  return statistics.median(times), cache
-
-
-def queued_time_per_write(spec, cache, inputs, rounds, calls, trials, interpret, config):
-  """Median device seconds per write as a jitted serving step sees it: one jit of ``rounds`` x
-  ``len(inputs)`` writes unrolled (no ``fori_loop``: on the H200 its clock has 3-7 µs a write
-  between the loop's kernels), called ``calls`` times back to back (donated, one sync at the
-  end)."""
-  f = jax.jit(write_chain(spec, rounds, interpret, config), donate_argnums=0)
-  cache = f(cache, inputs)
   cache.block_until_ready()
   times = []
   for _ in range(trials):
@@ -277,8 +254,23 @@ def queued_time_per_write(spec, cache, inputs, rounds, calls, trials, interpret,
     for _ in range(calls):
       cache = f(cache, inputs)
     cache.block_until_ready()
-    times.append((time.perf_counter() - t0) / (calls * rounds * len(inputs)))
+    times.append((time.perf_counter() - t0) / (calls * writes_per_call))
   return statistics.median(times), cache
+
+
+def device_time_per_write(spec, cache, inputs, iters, trials, interpret, config):
+  """Median device seconds per write: a donated jitted fori_loop over rotating input sets."""
+  return _time_per_write(write_loop(spec, iters, interpret, config), iters * len(inputs),
+                         cache, inputs, 1, trials)
+
+
+def queued_time_per_write(spec, cache, inputs, rounds, calls, trials, interpret, config):
+  """Median device seconds per write as a jitted serving step sees it: one jit of ``rounds`` x
+  ``len(inputs)`` writes unrolled (no ``fori_loop``: on the H200 its clock has 3-7 µs a write
+  between the loop's kernels), called ``calls`` times back to back (donated, one sync at the
+  end)."""
+  return _time_per_write(write_chain(spec, rounds, interpret, config), rounds * len(inputs),
+                         cache, inputs, calls, trials)
 
 
 def traced_kernels(spec, cache, inputs, iters, config):
