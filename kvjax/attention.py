@@ -125,13 +125,17 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
   call = registry.AttentionCall(num_tokens=q.shape[0], num_q_heads=q.shape[1],
                                 num_seqs=seq_lens.shape[0],
                                 max_blocks=block_table.shape[1], max_query_len=max_query_len)
-  run = registry.ATTENTION.choose(impl, interpret, spec, q.dtype, call=call, also=also,
-                                  on=registry.platform_of(cache))
-  if stack is not None:
-    cache, block_table = stack.attention_operands(cache, spec, block_table, run.impl.xla)
+  routes = registry.ATTENTION.routes(impl, interpret, spec, q.dtype, call=call, also=also,
+                                     array=cache)
   rot = spec.codec.rotation
-  out = run(rot.rotate_q(q), cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_table=block_table, scale=rot.softmax_scale(scale, spec.head_size),
-            causal=causal, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-            k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len)
-  return rot.unrotate_out(out)
+
+  def attend(run):
+    pages, table = cache, block_table
+    if stack is not None:
+      pages, table = stack.attention_operands(cache, spec, block_table, run.impl.xla)
+    return run(rot.rotate_q(q), pages, spec, query_start_loc=query_start_loc,
+               seq_lens=seq_lens, block_table=table,
+               scale=rot.softmax_scale(scale, spec.head_size), causal=causal,
+               sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+               k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len)
+  return rot.unrotate_out(routes.run(attend))

@@ -59,16 +59,19 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   V.check_kv_tokens(spec, key, value, slot_mapping.shape[0])
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
-  run = registry.WRITE.choose(impl, interpret, spec, on=registry.platform_of(cache))
+  routes = registry.WRITE.routes(impl, interpret, spec, array=cache)
   rot = spec.codec.rotation
   key, value = rot.rotate(key), rot.rotate(value)
   stack = Stack.of(spec, cache, V.layer_index(layer))
-  if stack is None:
-    return run(cache, key, value, slot_mapping, spec, k_scale=k_scale, v_scale=v_scale)
-  view, big = stack.write_view(cache, spec)           # free: B blocks of L * N tokens
-  new = run(view, key, value, stack.write_slots(slot_mapping, spec.block_size), big,
-            k_scale=k_scale, v_scale=v_scale)
-  return new.reshape(cache.shape)
+
+  def write(run):
+    if stack is None:
+      return run(cache, key, value, slot_mapping, spec, k_scale=k_scale, v_scale=v_scale)
+    view, big = stack.write_view(cache, spec)           # free: B blocks of L * N tokens
+    new = run(view, key, value, stack.write_slots(slot_mapping, spec.block_size), big,
+              k_scale=k_scale, v_scale=v_scale)
+    return new.reshape(cache.shape)
+  return routes.run(write)
 
 
 def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl: str = "auto",
@@ -99,13 +102,13 @@ def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl
   slots = V.check_slots(slots, num_slots, name="slots", negative_ok=False)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
-  run = registry.READ.choose(impl, interpret, spec, on=registry.platform_of(cache))
+  routes = registry.READ.routes(impl, interpret, spec, array=cache)
   stack = Stack.of(spec, cache, V.layer_index(layer))
   valid = (slots >= 0) & (slots < num_slots) & (True if stack is None else stack.layer_ok())
   slots = jnp.where(valid, slots, 0)
   blocks = slots // spec.block_size
   pages = cache[blocks] if stack is None else stack.pages(cache, spec, blocks)
-  k, v = run(pages, spec, k_scale=k_scale, v_scale=v_scale)    # [T, N, H, D]
+  k, v = routes.run(lambda run: run(pages, spec, k_scale=k_scale, v_scale=v_scale))  # [T,N,H,D]
   t = jnp.arange(slots.shape[0])
   off = slots % spec.block_size
   unrotate = spec.codec.rotation.unrotate

@@ -24,11 +24,14 @@ for some calls also gives a ``prefer`` rule, ``prefer(*args, call) -> None | rea
 ``call`` the static facts of the call (:class:`AttentionCall` for ATTENTION, None when
 unknown): ``auto`` passes it over where the rule says no, a named ``impl`` runs regardless.
 
-``impl="auto"`` takes the first registered implementation that runs compiled on the default
-backend's platform, supports the call and (if it has a rule) is preferred for it (never an
+``impl="auto"`` takes the first registered implementation that runs compiled on the call's
+platform, supports the call and (if it has a rule) is preferred for it (never an
 interpret-mode kernel); a named ``impl`` must support the call, and runs in interpret mode
 where it is not native (``interpret=None``) or when asked (``interpret=True``).
 :func:`explain` says which implementation runs a call and why the others were passed over.
+The call's platform is that of the device the cache is on; a cache traced under ``jit`` has
+none yet, so the public ops choose for every platform of the process and the lowering keeps
+the branch of the platform it lowers for (:meth:`Registry.routes`).
 
 Entry points and supports functions may be given as ``"module:attribute"`` strings, imported
 on first use: a backend whose module cannot import on this jax (e.g. Mosaic GPU on an old
@@ -37,6 +40,7 @@ jax) is then skipped with the import error as its reason, and ``import kvjax`` s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -78,8 +82,9 @@ def platform() -> str:
 def platform_of(array) -> str:
   """The platform an op on ``array`` runs on: a concrete JAX array's (its devices'), else (a
   traced value, a numpy array) :func:`platform`'s. A cache placed on the CPU of a GPU machine
-  is then written and read on the CPU, by an implementation that runs there; a jitted step on
-  such a cache decides by :func:`platform` (``with jax.default_device(cpu): ...``).
+  is then written and read on the CPU, by an implementation that runs there. (A traced cache
+  is placed only when the jitted call runs: :meth:`Registry.routes` then lets the lowering
+  decide.)
 
   >>> import jax, jax.numpy as jnp
   >>> platform_of(jax.device_put(jnp.zeros(2), jax.devices("cpu")[0]))
@@ -92,6 +97,23 @@ def platform_of(array) -> str:
   except jax.errors.ConcretizationTypeError:         # traced: placed when the call runs
     return platform()
   return next(iter(devices)).platform
+
+
+def host_platforms() -> Tuple[str, ...]:
+  """The platforms this process has devices of, in :data:`PLATFORMS` order (a GPU machine:
+  ``("cpu", "gpu")``)."""
+  found = []
+  for name in PLATFORMS:
+    try:
+      if jax.devices(name):
+        found.append(name)
+    except RuntimeError:                       # no backend of that platform here
+      pass
+  return tuple(found)
+
+
+#: The names ``jax.lax.platform_dependent`` gives the lowerings of each platform.
+LOWERINGS = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
 
 
 def load_target(target: Target):
@@ -170,6 +192,40 @@ class Choice:
     lines = [f"{self.op} on {self.platform}: {self.name} ({mode})"]
     lines += [f"  passed over {name}: {why}" for name, why in self.skipped]
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routes:
+  """What runs an op on each platform the call may be lowered for (:meth:`Registry.routes`).
+
+  Attributes:
+    primary: the choice for :func:`platform_of` the cache (and for any platform not listed).
+    others: the choices for the process's other platforms (empty for a placed cache).
+  """
+  primary: Choice
+  others: Tuple[Choice, ...] = ()
+
+  @property
+  def branches(self) -> Tuple[Choice, ...]:
+    """The choices the call lowers to: one when every platform takes the same
+    implementation in the same mode, else one a platform."""
+    key = lambda c: (c.name, c.interpret)
+    if all(key(c) == key(self.primary) for c in self.others):
+      return (self.primary,)
+    return (self.primary, *self.others)
+
+  def run(self, body: Callable):
+    """``body(choice)`` for the one choice, or under ``jax.lax.platform_dependent`` one
+    branch a platform: a call lowered for one platform keeps that platform's branch only
+    (the others are never lowered, so a GPU kernel is not lowered for the CPU), and its
+    values (a donated cache too) pass straight through."""
+    branches = self.branches
+    if len(branches) == 1:
+      return body(self.primary)
+    per_lowering = {name: functools.partial(body, choice)
+                    for choice in branches for name in LOWERINGS[choice.platform]}
+    return jax.lax.platform_dependent(default=functools.partial(body, self.primary),
+                                      **per_lowering)
 
 
 class Registry:
@@ -251,6 +307,26 @@ class Registry:
       return Choice(self.op, cand, bool(cand.interpretable and interpret), on, tuple(skipped))
     raise ValueError(f"no implementation of {self.op} runs this call on {on}: " +
                      "; ".join(f"{n}: {w}" for n, w in skipped))
+
+  def routes(self, impl: str, interpret, *args, array, call=None, also=None) -> Routes:
+    """:meth:`choose` for a call on ``array`` (the cache): for the platform it is placed on;
+    traced (under ``jit``, placed only when the call runs), for every platform of this
+    process, so that :meth:`Routes.run` lowers the right one (a jitted step on a cache
+    placed on the CPU of a GPU machine runs an implementation that runs on the CPU).
+    Platforms a named ``impl`` cannot run on are left out (they take the primary's branch).
+    """
+    primary = self.choose(impl, interpret, *args, on=platform_of(array), call=call, also=also)
+    if not isinstance(array, jax.core.Tracer):
+      return Routes(primary)
+    others = []
+    for name in host_platforms():
+      if name == primary.platform:
+        continue
+      try:
+        others.append(self.choose(impl, interpret, *args, on=name, call=call, also=also))
+      except ValueError:
+        continue
+    return Routes(primary, tuple(others))
 
 
 WRITE = Registry("write")

@@ -103,7 +103,10 @@ def test_int4_matches_numpy(rng, jitted):
   x[0, 0] = np.round(x[0, 0])                          # integer rows: ties everywhere
   x[1, 1] = 2.5                                        # a constant row: scale 1e-6
   f = jax.jit(quant.quantize_int4) if jitted else quant.quantize_int4
-  packed, scale = f(jnp.asarray(x))
+  # on the CPU device: the formula is checked as XLA-CPU compiles it (XLA-GPU's compile of it
+  # may round a code in ~1 of 250,000 differently, benchmarks/results/write.md; the kernels
+  # are checked against the CPU reference)
+  packed, scale = f(jax.device_put(x, jax.devices("cpu")[0]))
   q, s, zp = _int4_numpy(x)
   got = np.asarray(packed)
   np.testing.assert_array_equal(np.stack([got & 0xF, got >> 4], -1).reshape(q.shape), q)

@@ -142,3 +142,73 @@ def test_ops_decide_for_the_platform_their_cache_is_on(rng, monkeypatch):
     assert registry.platform() == "cpu"
     jitted = jax.jit(kvjax.write_kv, static_argnums=4)(cache, key, value, slots, spec)
   np.testing.assert_array_equal(as_bytes(jitted), as_bytes(want))
+
+
+def _platforms_with(*names):
+  """This process's platforms plus ``names`` (for monkeypatching ``host_platforms``)."""
+  have = set(registry.host_platforms()) | set(names)
+  return lambda: tuple(p for p in registry.PLATFORMS if p in have)
+
+
+def test_a_jitted_op_lowers_the_branch_of_its_platform(rng, monkeypatch):
+  """Under jit the cache has no device yet. On a machine with a GPU (simulated here) a step
+  jitted over a cache placed on the CPU runs the CPU's implementation, with no
+  ``jax.default_device``; the same step lowered for CUDA holds the Triton kernel and not the
+  reference's scatter."""
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16,
+                           cache_dtype="int8_per_token_head")
+  cpu = jax.devices("cpu")[0]
+  cache = jax.device_put(poisoned_cache(rng, spec, 4), cpu)
+  key, value, slots = jax.device_put((*random_kv(rng, spec, 3),
+                                      jnp.array([5, 40, -1], jnp.int32)), cpu)
+  want = kvjax.write_kv(cache, key, value, slots, spec, impl="reference")
+  q, acache, meta, _, _ = build_batch(rng, spec, [3, 1], [4, 9], 4)
+  q, acache, meta = jax.device_put((q, acache, meta), cpu)
+  want_out = kvjax.unified_attention(q, acache, spec, scale=0.2, impl="reference", **meta)
+  want_kv = kvjax.read_kv(want, spec, slots[:2], impl="reference")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(registry, "host_platforms", _platforms_with("gpu"))
+
+  write = jax.jit(kvjax.write_kv, static_argnums=4)
+  np.testing.assert_array_equal(as_bytes(write(cache, key, value, slots, spec)), as_bytes(want))
+  out = jax.jit(lambda q, c, m: kvjax.unified_attention(q, c, spec, scale=0.2, **m))(
+      q, acache, meta)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+  got_kv = jax.jit(lambda c, s: kvjax.read_kv(c, spec, s))(want, slots[:2])
+  for a, b in zip(got_kv, want_kv):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  triton = "__gpu$xla.gpu.triton"
+  allow = [jax.export.DisabledSafetyCheck.custom_call(triton)]
+  args = (cache, key, value, slots, spec)
+  on_gpu = jax.export.export(write, platforms=["cuda"], disabled_checks=allow)(*args)
+  assert triton in on_gpu.mlir_module() and "scatter" not in on_gpu.mlir_module()
+  on_cpu = write.lower(*args).as_text()
+  assert triton not in on_cpu and "scatter" in on_cpu
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8_per_token_head"])
+def test_a_donated_write_under_platform_branches_stays_in_place(rng, monkeypatch, cache_dtype):
+  """The platform branches cost nothing once compiled: the programs hold no conditional and
+  the donated cache is written in place (its buffer kept). Here the process has a GPU
+  platform besides its own (real on a GPU machine, where this runs the Triton kernel)."""
+  monkeypatch.setattr(registry, "host_platforms", _platforms_with("cpu", "gpu"))
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16, cache_dtype=cache_dtype)
+  cache = jnp.asarray(poisoned_cache(rng, spec, 4))
+  key, value = random_kv(rng, spec, 3)
+  slots = jnp.array([5, 40, -1], jnp.int32)
+  want = kvjax.write_kv(cache, key, value, slots, spec)
+  jaxpr = str(jax.make_jaxpr(kvjax.write_kv, static_argnums=4)(cache, key, value, slots, spec))
+  assert "platform_index" in jaxpr                       # the branches are there while traced
+  compiled = jax.jit(kvjax.write_kv, static_argnums=4, donate_argnums=0).lower(
+      cache, key, value, slots, spec).compile()
+  assert "conditional" not in compiled.as_text()
+  ptr = cache.unsafe_buffer_pointer()
+  got = compiled(cache, key, value, slots)
+  assert got.unsafe_buffer_pointer() == ptr
+  np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
+  q, acache, meta, _, _ = build_batch(rng, spec, [3, 1], [4, 9], 4)
+  attend = jax.jit(lambda q, c, m: kvjax.unified_attention(q, c, spec, scale=0.2, **m))
+  read = jax.jit(lambda c, s: kvjax.read_kv(c, spec, s))
+  for f, args in ((attend, (q, acache, meta)), (read, (got, slots[:2]))):
+    assert "conditional" not in f.lower(*args).compile().as_text()
