@@ -142,11 +142,16 @@ def record_decode(r, spec, batch, ctx, ms, problem, base, use_vllm):
   return r
 
 
+def _only(formats, wanted):
+  """``formats`` in order, only those in ``wanted`` (None: all)."""
+  return tuple(f for f in formats if wanted is None or f in wanted)
+
+
 def decode_part(args, interpret):
-  shapes = ((4, 64),) if args.smoke else DECODE_SHAPES
+  shapes = ((4, 64),) if args.smoke else args.decode_shapes or DECODE_SHAPES
   geo = dict(num_kv_heads=2, head_size=64, block_size=16) if args.smoke else dict(
       num_kv_heads=H, head_size=D, block_size=N)
-  formats = ("bfloat16", "int8_per_token_head") if args.smoke else FORMATS
+  formats = ("bfloat16", "int8_per_token_head") if args.smoke else _only(FORMATS, args.formats)
   rows = []
   use_vllm = vllm_peer.available() and not args.no_vllm
   for batch, ctx in shapes:
@@ -196,11 +201,11 @@ def time_dense_peers(q_lens, ctx_lens, interpret):
 
 def prefill_part(args, interpret):
   cases = (("2x64", [64, 64], [0, 0]), ("mix", [32, 1, 1], [0, 40, 70])) if args.smoke \
-      else PREFILLS
+      else [c for c in PREFILLS if not args.prefill_cases or c[0] in args.prefill_cases]
   geo = dict(num_kv_heads=2, head_size=64, block_size=16) if args.smoke else dict(
       num_kv_heads=H, head_size=D, block_size=N)
-  formats = ("bfloat16",) if args.smoke else ("bfloat16", "fp8", "int8_per_token_head",
-                                               "fp8_per_token_head")
+  formats = ("bfloat16",) if args.smoke else _only(
+      ("bfloat16", "fp8", "int8_per_token_head", "fp8_per_token_head"), args.formats)
   rows = []
   use_vllm = vllm_peer.available() and not args.no_vllm
   for name, q_lens, ctx_lens in cases:
@@ -247,6 +252,13 @@ def main():
   ap.add_argument("--label", default="current", help="name of this kvjax checkout in the JSON")
   ap.add_argument("--no-vllm", action="store_true")
   ap.add_argument("--json", default=None)
+  ap.add_argument("--formats", type=lambda s: s.split(","), default=None,
+                  help="comma list of cache dtypes (default: every one of the part)")
+  ap.add_argument("--decode-shapes", default=None,
+                  type=lambda s: tuple(tuple(int(x) for x in bc.split("x")) for bc in s.split(",")),
+                  help="BxC,... (default: the five decode shapes)")
+  ap.add_argument("--prefill-cases", type=lambda s: s.split(","), default=None,
+                  help=f"comma list among {[c[0] for c in PREFILLS]} (default: all)")
   args = ap.parse_args()
   interpret = args.smoke or jax.default_backend() == "cpu"
   info = {"device": common.device_name(), "date": common.now_utc(),

@@ -313,19 +313,24 @@ class Registry:
     traced (under ``jit``, placed only when the call runs), for every platform of this
     process, so that :meth:`Routes.run` lowers the right one (a jitted step on a cache
     placed on the CPU of a GPU machine runs an implementation that runs on the CPU).
-    Platforms a named ``impl`` cannot run on are left out (they take the primary's branch).
+    Only compiled choices become branches: an interpret-mode kernel runs on any platform (a
+    primary in interpret mode is the one route), and its host callbacks are effects that a
+    pruned branch cannot carry through lowering. Platforms a named ``impl`` cannot run on, or
+    runs on in interpret mode only, are left out: they take the primary's branch.
     """
     primary = self.choose(impl, interpret, *args, on=platform_of(array), call=call, also=also)
-    if not isinstance(array, jax.core.Tracer):
+    if primary.interpret or not isinstance(array, jax.core.Tracer):
       return Routes(primary)
     others = []
     for name in host_platforms():
       if name == primary.platform:
         continue
       try:
-        others.append(self.choose(impl, interpret, *args, on=name, call=call, also=also))
+        choice = self.choose(impl, interpret, *args, on=name, call=call, also=also)
       except ValueError:
         continue
+      if not choice.interpret:
+        others.append(choice)
     return Routes(primary, tuple(others))
 
 

@@ -212,3 +212,23 @@ def test_a_donated_write_under_platform_branches_stays_in_place(rng, monkeypatch
   read = jax.jit(lambda c, s: kvjax.read_kv(c, spec, s))
   for f, args in ((attend, (q, acache, meta)), (read, (got, slots[:2]))):
     assert "conditional" not in f.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("impl", ["auto", "pallas", "mosaic_tpu"])
+def test_interpret_mode_kernels_take_no_platform_branch(rng, monkeypatch, impl):
+  """An interpret-mode kernel runs on any platform, and its host callbacks are effects a
+  pruned branch cannot carry through lowering: a jitted call that asks for interpret mode has
+  no platform branch (even with GPU and TPU platforms besides the CPU) and runs."""
+  monkeypatch.setattr(registry, "host_platforms", _platforms_with("cpu", "gpu", "tpu"))
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16,
+                           cache_dtype="int8_per_token_head")
+  cpu = jax.devices("cpu")[0]
+  cache = jax.device_put(poisoned_cache(rng, spec, 4), cpu)
+  key, value, slots = jax.device_put((*random_kv(rng, spec, 3),
+                                      jnp.array([5, 40, -1], jnp.int32)), cpu)
+  want = kvjax.write_kv(cache, key, value, slots, spec, impl="reference")
+  write = lambda c, k, v, s: kvjax.write_kv(c, k, v, s, spec, impl=impl, interpret=True)
+  with jax.default_device(cpu):
+    assert "platform_index" not in str(jax.make_jaxpr(write)(cache, key, value, slots))
+    got = jax.jit(write)(cache, key, value, slots)
+  np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
