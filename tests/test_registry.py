@@ -150,11 +150,9 @@ def _platforms_with(*names):
   return lambda: tuple(p for p in registry.PLATFORMS if p in have)
 
 
-def test_a_jitted_op_lowers_the_branch_of_its_platform(rng, monkeypatch):
-  """Under jit the cache has no device yet. On a machine with a GPU (simulated here) a step
-  jitted over a cache placed on the CPU runs the CPU's implementation, with no
-  ``jax.default_device``; the same step lowered for CUDA holds the Triton kernel and not the
-  reference's scatter."""
+def _cpu_write(rng):
+  """An int8 per-token-head write placed on the CPU: (spec, cache, key, value, slots, the
+  reference's result)."""
   spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16,
                            cache_dtype="int8_per_token_head")
   cpu = jax.devices("cpu")[0]
@@ -162,6 +160,16 @@ def test_a_jitted_op_lowers_the_branch_of_its_platform(rng, monkeypatch):
   key, value, slots = jax.device_put((*random_kv(rng, spec, 3),
                                       jnp.array([5, 40, -1], jnp.int32)), cpu)
   want = kvjax.write_kv(cache, key, value, slots, spec, impl="reference")
+  return spec, cache, key, value, slots, want
+
+
+def test_a_jitted_op_lowers_the_branch_of_its_platform(rng, monkeypatch):
+  """Under jit the cache has no device yet. On a machine with a GPU (simulated here) a step
+  jitted over a cache placed on the CPU runs the CPU's implementation, with no
+  ``jax.default_device``; the same step lowered for CUDA holds the Triton kernel and not the
+  reference's scatter."""
+  spec, cache, key, value, slots, want = _cpu_write(rng)
+  cpu = jax.devices("cpu")[0]
   q, acache, meta, _, _ = build_batch(rng, spec, [3, 1], [4, 9], 4)
   q, acache, meta = jax.device_put((q, acache, meta), cpu)
   want_out = kvjax.unified_attention(q, acache, spec, scale=0.2, impl="reference", **meta)
@@ -220,13 +228,8 @@ def test_interpret_mode_kernels_take_no_platform_branch(rng, monkeypatch, impl):
   pruned branch cannot carry through lowering: a jitted call that asks for interpret mode has
   no platform branch (even with GPU and TPU platforms besides the CPU) and runs."""
   monkeypatch.setattr(registry, "host_platforms", _platforms_with("cpu", "gpu", "tpu"))
-  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=32, block_size=16,
-                           cache_dtype="int8_per_token_head")
+  spec, cache, key, value, slots, want = _cpu_write(rng)
   cpu = jax.devices("cpu")[0]
-  cache = jax.device_put(poisoned_cache(rng, spec, 4), cpu)
-  key, value, slots = jax.device_put((*random_kv(rng, spec, 3),
-                                      jnp.array([5, 40, -1], jnp.int32)), cpu)
-  want = kvjax.write_kv(cache, key, value, slots, spec, impl="reference")
   write = lambda c, k, v, s: kvjax.write_kv(c, k, v, s, spec, impl=impl, interpret=True)
   with jax.default_device(cpu):
     assert "platform_index" not in str(jax.make_jaxpr(write)(cache, key, value, slots))
