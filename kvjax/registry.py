@@ -90,13 +90,9 @@ def platform_of(array) -> str:
   >>> platform_of(jax.device_put(jnp.zeros(2), jax.devices("cpu")[0]))
   'cpu'
   """
-  if not isinstance(array, jax.Array):
+  if isinstance(array, jax.core.Tracer) or not isinstance(array, jax.Array):
     return platform()
-  try:
-    devices = array.devices()
-  except jax.errors.ConcretizationTypeError:         # traced: placed when the call runs
-    return platform()
-  return next(iter(devices)).platform
+  return next(iter(array.devices())).platform
 
 
 def host_platforms() -> Tuple[str, ...]:

@@ -672,9 +672,8 @@ def test_donating_a_cache_torch_views_copies_on_cpu(rng):
   t = tb.to_torch(cache, spec)
   before = _physical_bytes(t, spec)
   key, value = random_kv(rng, spec, 2)
-  with jax.default_device(cpu):   # (a GPU machine: the jitted write decides for the CPU)
-    new = jax.jit(kvjax.write_kv, static_argnums=4, donate_argnums=0)(
-        cache, key, value, jnp.array([1, 2], jnp.int32), spec)
+  new = jax.jit(kvjax.write_kv, static_argnums=4, donate_argnums=0)(
+      cache, key, value, jnp.array([1, 2], jnp.int32), spec)
   assert new.unsafe_buffer_pointer() != t.data_ptr()
   assert not cache.is_deleted()
   np.testing.assert_array_equal(_physical_bytes(t, spec), before)
