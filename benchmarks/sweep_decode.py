@@ -61,7 +61,12 @@ VARIANTS = {
     "t128": {"tokens_per_step": 128},
     "t128_w8": {"tokens_per_step": 128, "num_warps": 8},
     "t256_w8": {"tokens_per_step": 256, "num_warps": 8},
+    "stages3": {"num_stages": 3},
     "stages4": {"num_stages": 4},
+    # more steps in flight for the packed formats (ncu, 2026-12-04: int4 / nvfp4 at 35 % of
+    # DRAM with 4 blocks an SM of 64 keys x 136-144 bytes a step)
+    "stages5": {"num_stages": 5},
+    "stages6": {"num_stages": 6},
     "one_pass": {"single_pass_programs": 3 * NUM_SMS},
     "t128_one_pass": {"tokens_per_step": 128, "single_pass_programs": 3 * NUM_SMS},
     "t32": {"tokens_per_step": 32},

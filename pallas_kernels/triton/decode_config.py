@@ -95,7 +95,7 @@ def default_config(spec) -> DecodeConfig:
   until 8 x 132 programs (64 x 4096: one pass 289-298 us vs 240-251 with 3 splits for fp8,
   396-470 vs 336-391 for the per-token-head formats, before pair codes); then the format's
   own measured overrides (:attr:`~pallas_kernels.triton.formats.TileFormat.decode_defaults`:
-  fp8 per tensor read as pairs takes 128 tokens a step in 2 stages).
+  fp8 per tensor read as pairs takes 128 tokens a step in 5 stages).
   """
   if spec.itemsize != 1:
     return DEFAULT_CONFIG
