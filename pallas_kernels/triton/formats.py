@@ -444,9 +444,9 @@ class PairFormat(WordRows, RowFormat):
 
   @property
   def decode_defaults(self) -> dict:
-    """Without row scales (fp8 per tensor) 128 keys a step in 5 stages: four 32 KiB steps of
-    keys in flight a block, where 2 stages kept one and left fp8 waiting on memory (DRAM 73 %,
-    ncu 2026-12-03). H200, 2026-12-04: 3-12 % faster than 2 stages at 64 x 4096 and
+    """Without row scales (fp8 per tensor) 128 keys a step in 5 stages: more than the one
+    32 KiB step of keys a block that 2 stages kept in flight, which left fp8 waiting on memory
+    (DRAM 73 %, ncu 2026-12-03). H200, 2026-12-04: 3-12 % faster than 2 stages at 64 x 4096 and
     8 x 32768 (3, 4 and 6 stages measured too); 128 keys were 0-11 % faster than 64 keys.
     The row-scaled formats keep 64 keys (15-30 % slower with 128)."""
     return {} if self.row_scaled else {"tokens_per_step": 128, "num_stages": 5}
