@@ -2,23 +2,22 @@
 
 GPU (H200):  PYTHONUNBUFFERED=1 python benchmarks/bench_decode.py [--json PATH]
              [--shapes 64x4096,...] [--formats bfloat16,fp8,...] [--kernels triton,mosaic_gpu]
-             [--no-vllm] [--no-peers] [--no-checks]
+             [--no-vllm] [--no-peers] [--no-checks] [--check-kernels triton]
 CPU smoke:   python benchmarks/bench_decode.py --smoke
 
 Kernels (``--kernels``): ``triton`` (``pallas_kernels.triton.decode``, every format) and
 ``mosaic_gpu`` (``pallas_kernels.mosaic_gpu.decode``: the formats with Mosaic GPU hooks, on
 jax >= 0.11 and an sm90+ GPU; skipped with the reason elsewhere).
 
-GPU mode, in one run:
-  1. the device copy ceiling (torch, bytes read + written per second) and the host dispatch
-     floor of one jitted call;
+In one run:
+  1. the device copy ceiling (torch, bytes read + written per second);
   2. the per-format table: Hq=32, H=8, D=128, block 16, batch x context in SHAPES, pages
      shuffled; every cache format and layout, every kernel that runs it, default configs:
      µs per step, tokens/s relative to the bf16 cache of the same layout and kernel, TB/s of
      the format's own bytes (data and scales: ``batch * context * page_bytes / block_size``),
      and vLLM 0.28's Triton kernel on the very same cache buffer (best of its 2-D and
      split-KV paths; once per problem) where vLLM has the format and its kernels are found
-     (benchmarks/vllm_peer.py);
+     (``vllm_peer.py``);
   3. peers on bf16: JAX's built-in Pallas ``paged_attention`` (its own [H, pages, N, D] K and V
      arrays) and torch SDPA on dense KV (GQA through enable_gqa);
   4. compiled correctness of each kernel vs ``kvjax.reference.unified_attention`` on small
@@ -26,8 +25,9 @@ GPU mode, in one run:
      64..256, window, soft cap, sinks, several splits); the kernel reads a poisoned cache
      (unwritten slots random bytes / NaN), the reference a clean copy holding the same tokens.
 JAX timings chain CHAIN decode steps in one jitted program (each step's output is the next
-step's query) and divide; torch timings use CUDA events (triton.testing.do_bench).
-Kernel configurations are compared by benchmarks/sweep_decode.py.
+step's query) and divide; torch timings use CUDA events (triton.testing.do_bench). The JSON
+(``--json``, or ``$OUT/decode.json`` when $OUT is set) is what ``plot_decode.py`` draws.
+Kernel configurations are compared by ``tools/sweep_decode.py``.
 """
 from __future__ import annotations
 
@@ -204,39 +204,6 @@ def kv_bytes(batch, ctx, itemsize, h=H, d=D):
   return batch * ctx * h * 2 * d * itemsize
 
 
-def our_problem(batch, ctx, cache_dtype, layout, seed=0, h=H, d=D, n=N):
-  spec = kvjax.KVCacheSpec(num_kv_heads=h, head_size=d, block_size=n, cache_dtype=cache_dtype,
-                           layout=layout)
-  m = ctx // n
-  b = batch * m + 8
-  key = jax.random.PRNGKey(seed)
-  k1, k2 = jax.random.split(key)
-  cache = jax.random.normal(k1, spec.physical_shape(b), jnp.float32).astype(spec.storage_dtype)
-  bt = jnp.asarray(np.random.default_rng(seed).permutation(b)[: batch * m].reshape(batch, m),
-                   jnp.int32)
-  sl = jnp.full((batch,), ctx, jnp.int32)
-  q = jax.random.normal(k2, (batch, HQ * h // H, d), jnp.bfloat16)
-  return spec, q, cache, sl, bt
-
-
-def our_step(batch, ctx, cache_dtype, layout, config, interpret=False, **geo):
-  """(one decode step of our Triton kernel as a function, its arguments (q, cache, seq_lens,
-  block_table)) on :func:`our_problem`."""
-  spec, q, cache, sl, bt = our_problem(batch, ctx, cache_dtype, layout, **geo)
-  ks = 1.0 if cache_dtype.startswith("fp8") else None
-  step = lambda q, c, sl, bt: paged_decode_attention(
-      q, c, spec, seq_lens=sl, block_table=bt, scale=spec.head_size ** -0.5, k_scale=ks,
-      v_scale=ks, interpret=interpret, config=config)
-  return step, (q, cache, sl, bt)
-
-
-def time_ours(batch, ctx, cache_dtype, layout, config, interpret=False, **geo):
-  step, args = our_step(batch, ctx, cache_dtype, layout, config, interpret, **geo)
-  ms = common.time_jax_chained(step, *args, chain=1 if interpret else CHAIN,
-                               reps=3 if interpret else 5, inner=1 if interpret else 5)
-  return ms
-
-
 def time_jax_builtin(batch, ctx, interpret=False, h=H, d=D, n=N):
   from jax.experimental.pallas.ops.gpu import paged_attention as pa
   m = ctx // n
@@ -288,15 +255,6 @@ def cfg_name(cfg: DecodeConfig) -> str:
   d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
        if getattr(cfg, f.name) != getattr(DEFAULT_CONFIG, f.name)}
   return ",".join(f"{k}={v}" for k, v in d.items()) or "default"
-
-
-def dispatch_floor_ms():
-  """Host dispatch cost of a jitted call taking the decode arguments (a trivial body)."""
-  spec, q, cache, sl, bt = our_problem(64, 4096, "bfloat16", "NHD")
-  fn = jax.jit(lambda q, c, sl, bt: q * 2)
-  ms = common.time_jax(fn, q, cache, sl, bt, reps=5, inner=10)
-  del cache
-  return ms
 
 
 def format_table(shapes, formats, interpret, geo, use_vllm, kernels=("triton",)):
@@ -361,8 +319,8 @@ def markdown(rows):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--smoke", action="store_true", help="tiny CPU run (interpret mode)")
-  ap.add_argument("--json", default=None, help="where to write the JSON (default $OUT or "
-                  "benchmarks/results/decode.json)")
+  ap.add_argument("--json", default=None,
+                  help="write the JSON here (default $OUT/decode.json when $OUT is set)")
   ap.add_argument("--shapes", default=None, help="BxC,BxC,... (default: the five shapes)")
   ap.add_argument("--formats", default=None, help="comma-separated cache dtypes (default: all)")
   ap.add_argument("--no-peers", action="store_true", help="skip JAX's Pallas op and SDPA")
@@ -380,13 +338,10 @@ def main():
     ap.error(f"--kernels / --check-kernels: choose among {KERNELS}")
   from benchmarks import bench_side_by_side as SBS
   smoke = args.smoke
+  if smoke:
+    common.announce_smoke(jax.default_backend())
   interpret = smoke or jax.default_backend() == "cpu"
-  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "results")
-  if smoke:   # a smoke run must not overwrite measured results
-    import tempfile
-    out_dir = os.environ.get("OUT") or tempfile.gettempdir()
-  json_path = args.json or os.path.join(out_dir, "decode_smoke.json" if smoke else "decode.json")
+  json_path = common.output_path(args.json, "decode_smoke.json" if smoke else "decode.json")
   info = {"device": common.device_name(), "date": common.now_utc(),
           "versions": common.versions(), "command": common.command_line()}
   print(json.dumps(info), flush=True)
@@ -403,11 +358,8 @@ def main():
   formats = (("bfloat16", "int8_per_token_head") if smoke else SBS.FORMATS)
   if args.formats:
     formats = tuple(args.formats.split(","))
-  floor = None
-  if not smoke:
-    floor = dispatch_floor_ms()
-    print(f"== host dispatch floor of one jitted call (trivial body): {floor:.4f} ms; "
-          f"timings below chain {CHAIN} decode steps per jitted call", flush=True)
+  if not interpret:
+    print(f"== timings chain {CHAIN} decode steps per jitted call", flush=True)
 
   print("== per-format decode table (ours and vLLM on the same cache)", flush=True)
   use_vllm = vllm_peer.available() and not args.no_vllm and not interpret
@@ -442,13 +394,13 @@ def main():
       checks += run_checks(rng, interpret, CHECKS[:2] if smoke else CHECKS,
                            lens=(1, 20, 0) if smoke else (1, 37, 300, 0, 64), kernel=kernel)
 
-  result = dict(info, copy_tb_s=round(copy, 3), rows=rows, peers=peers, checks=checks,
-                dispatch_floor_ms=floor, chain=CHAIN,
+  result = dict(info, copy_tb_s=round(copy, 3), rows=rows, peers=peers, checks=checks, chain=CHAIN,
                 bytes_counted="batch * context * page_bytes / block_size (data and scales)")
-  os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-  with open(json_path, "w") as f:
-    json.dump(result, f, indent=1)
   print(markdown(rows), flush=True)
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(result, f, indent=1)
+    print(f"wrote {json_path}", flush=True)
   if any(not c["ok"] for c in checks):
     print("SOME CHECKS FAILED", flush=True)
     sys.exit(1)

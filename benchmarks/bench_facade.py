@@ -8,16 +8,13 @@ one sync at the end (bf16, Hq=32, H=8, D=128, block 16, NHD), in two regimes: 8 
 Per layer, medians over repeats:
 
 - ``vllm``: vLLM's ``unified_attention`` Triton kernel launched from torch on the same cache
-  bytes (only where ``benchmarks/vllm_peer.py`` finds vLLM's kernels: a CUDA machine);
+  bytes (only where ``vllm_peer.py`` finds vLLM's kernels: a CUDA machine);
 - ``facade``: ``PagedAttentionBackend.forward`` with torch tensors (output donated);
 - ``direct``: the same jitted kvjax op called from JAX with JAX arrays;
 - ``floor``: the same loop doing only the crossing work a torch caller cannot avoid, with no
-  facade logic: per layer the fence (one CUDA event recorded on torch's stream, JAX's
-  external-ready stream waits on it), one fresh DLPack import of the query (the import whose
-  definition event orders the JAX computation after torch's queued work), the same jitted
-  function with the facade's kept metadata and cache arrays (output donated on CUDA), and the
-  stream-ordered export of the result to torch (``torch_bridge.interop.Crossing``'s
-  ``fence`` / ``fresh`` / ``publish``). facade − floor is the facade's own logic;
+  facade logic (:meth:`Step.floor_fn`: per layer one CUDA event, one fresh DLPack import of
+  the query, the facade's jitted function, the stream-ordered export of the result);
+  facade − floor is the facade's own logic;
 - ``facade host`` / ``floor host`` / ``direct host``: host time to issue one call (the loop
   without its final sync).
 
@@ -25,10 +22,9 @@ A second table times the floor's pieces one by one inside that loop (host µs pe
 medians): event, import, the jitted call, export. On the CPU there are no streams: the
 event is a no-op and the export is the host wait for the result (so it holds the compute).
 
-``--smoke`` runs tiny shapes on the CPU in well under a minute (a check of the script and a
-proxy of the facade's host cost: on the CPU the facade waits for each result to copy it into
-``output``, so there the direct call and the floor wait for each result too, and facade minus
-direct is the host work the facade adds; the floor there is import + call + wait).
+``--smoke`` runs tiny shapes on the CPU in well under a minute: it checks that the script runs
+and that the facade's and the floor's results equal the direct call's; its timings mean
+nothing (on the CPU the facade waits for each result to copy it into ``output``).
 
 ``--host`` measures the facade's own host work per call, CPU tensors, the host-bound regime's
 shapes: ``forward`` and ``do_kv_cache_update`` with kvjax's jitted functions replaced by stubs
@@ -55,12 +51,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import torch_bridge as tb  # noqa: E402
+from benchmarks import common  # noqa: E402
 from torch_bridge import layout as L  # noqa: E402
 
 HQ, H, D, N = 32, 8, 128, 16
 REGIMES = [("host-bound", 8, 512), ("GPU-bound", 64, 4096)]
-SMOKE = dict(hq=4, h=2, d=32, regimes=[("host-bound", 8, 64), ("GPU-bound", 16, 256)],
-             layers=4, reps=10)
+SMOKE = dict(hq=4, h=2, d=32, regimes=[("small", 8, 64), ("large", 16, 256)], layers=4,
+             reps=10)
 FULL = dict(hq=HQ, h=H, d=D, regimes=REGIMES, layers=16, reps=10)
 
 
@@ -350,13 +347,16 @@ def host_cost(cfg, rng, reps):
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (< 60 s)")
-  ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  ap.add_argument("--json", default=None, help="also write the rows to this JSON file "
+                  "(default $OUT/facade.json when $OUT is set)")
   ap.add_argument("--layers", type=int, default=None)
   ap.add_argument("--layered", action="store_true",
                   help="one layered (cross-layer) cache for all layers, passed with layer=i")
   ap.add_argument("--host", action="store_true",
                   help="the facade's own host work per call (CPU tensors, stubbed JAX calls)")
   args = ap.parse_args()
+  if args.smoke:
+    common.announce_smoke("cpu")
   cfg = dict(SMOKE if args.smoke else FULL)
   if args.layers:
     cfg["layers"] = args.layers
@@ -385,11 +385,13 @@ def main():
     print(rows[-1], flush=True)
   print(f"\n== facade per layer, back to back, one sync ({time.time() - t0:.0f} s) ==")
   print(table(rows))
-  if args.json:
-    with open(args.json, "w") as f:
+  path = common.output_path(args.json, "facade.json")
+  if path:
+    with open(path, "w") as f:
       json.dump({"rows": rows, "jax": jax.__version__, "torch": torch.__version__,
-                 "device": str(dev), "smoke": args.smoke,
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=1)
+                 "device": str(dev), "smoke": args.smoke, "date": common.now_utc()}, f,
+                indent=1)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

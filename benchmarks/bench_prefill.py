@@ -2,11 +2,11 @@
 
 GPU (H200, about 4 minutes):
   PYTHONUNBUFFERED=1 python benchmarks/bench_prefill.py [--json PATH] [--md PATH]
-      [--parts checks,table,formats] [--layout NHD|HND] [--sweep [CONFIGS]]
+      [--parts checks,table,formats] [--layout NHD|HND]
 CPU smoke (interpret mode, < 1 minute):
   python benchmarks/bench_prefill.py --smoke
 
-Parts (``--parts``, default all but the sweep; ``--sweep`` adds it):
+Parts (``--parts``, default all):
   checks   compiled correctness of ``kvjax.unified_attention`` with impl="pallas" (the Triton
            kernels) and impl="mosaic_gpu" vs impl="reference" on three ragged mixes (prefill,
            cached prefix, decode, padding; bf16, int8 per token-head with window + soft cap +
@@ -22,17 +22,18 @@ Parts (``--parts``, default all but the sweep; ``--sweep`` adds it):
   formats  every cache format on a 4x4096 causal prefill (NHD; nvfp4 HND) through the Triton
            ragged kernel (``impl="pallas"``: quantized pages read through a plain copy where
            that pays) and through ``impl="auto"``: TFLOP/s (ms) and % of the bf16 cache's
-           TFLOP/s in the same column (target >= 90 %);
-  sweep    (opt-in) Triton ragged kernel tile configs on 4x4096 NHD.
+           TFLOP/s in the same column (target >= 90 %).
 Shape: bf16, Hq 32, H 8 (GQA 4), D 128, block 16. FLOPs = 4 * Hq * D * (visible query-key
 pairs) (``benchmarks/prefill_peers.py``); a causal S x L prefill has S * L * (L + 1) / 2.
 Timing: ``benchmarks/common.py`` (median of 5 means of 10 back-to-back calls after 2 warm-up
 calls; torch through CUDA events). Results print as they come and as markdown tables at the end;
-``--json`` (default ``$OUT/prefill.json`` when $OUT is set) is rewritten after every part.
+``--json`` (default ``$OUT/prefill.json`` when $OUT is set) is rewritten after every part;
+``--md`` (default ``$OUT/prefill.md``) gets the tables.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -40,6 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -47,8 +49,7 @@ import kvjax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks import prefill_peers as P  # noqa: E402
 
-PARTS = ("checks", "table", "formats", "sweep")
-DEFAULT_SWEEP = "128,64,4,3;256,64,8,3;256,32,8,3;128,32,4,2;64,32,4,3"
+PARTS = ("checks", "table", "formats")
 KVJAX_COLUMNS = (("kvjax Triton (paged)", "pallas"), ("kvjax Mosaic GPU (paged)", "mosaic_gpu"),
                  ("kvjax auto (paged)", "auto"))
 CHECK_IMPLS = ("pallas", "mosaic_gpu")
@@ -68,8 +69,7 @@ SMOKE_CHECK_MIXES = (
 )
 
 
-def say(line: str):
-  print(line, flush=True)
+say = functools.partial(print, flush=True)
 
 
 # -- part checks ------------------------------------------------------------------------------
@@ -103,11 +103,6 @@ def run_checks(smoke: bool) -> list:
           say(f"[check] {impl:>10} | {name}: FAIL {row['error']}")
       rows.append(row)
   return rows
-
-
-def checks(interpret: bool) -> list:
-  """The compiled checks (``interpret``: the CPU smoke mix); kept for gpu_final_check.py."""
-  return run_checks(smoke=interpret)
 
 
 # -- part table -------------------------------------------------------------------------------
@@ -171,32 +166,6 @@ def run_formats(smoke: bool) -> list:
   return rows
 
 
-# -- part sweep -------------------------------------------------------------------------------
-def run_sweep(smoke: bool, configs: str) -> list:
-  """Triton ragged kernel tile configs ``'rows,block_kv,warps,stages;...'`` on S x L NHD."""
-  import jax
-  from benchmarks.common import time_jax
-  from pallas_kernels.triton.ragged import ragged_paged_attention
-  from pallas_kernels.triton.ragged_kernel import TileConfig
-  rng = np.random.default_rng(3)
-  timing = P.SMOKE_TIMING if smoke else P.TIMING
-  s, L = (1, 64) if smoke else (4, 4096)
-  ql, cl = [L] * s, [0] * s
-  flops = P.attention_flops(ql, cl)
-  spec = kvjax.KVCacheSpec(P.H, P.D, P.N, dtype=jnp.bfloat16)
-  args = P.paged_batch(rng, spec, ql, cl)
-  rows = []
-  for text in ["default"] + [c for c in configs.split(";") if c]:
-    def thunk(text=text):
-      cfg = None if text == "default" else TileConfig(*map(int, text.split(",")))
-      f = jax.jit(lambda q, c, qsl, sl, bt: ragged_paged_attention(
-          q, c, spec, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=P.D ** -0.5,
-          max_query_len=L, interpret=smoke, tile_config=cfg))
-      return time_jax(f, *args, **timing)
-    record(rows, "sweep", f"{s}x{L} NHD", f"Triton tile {text}", flops, P.measure(thunk))
-  return rows
-
-
 # -- report -----------------------------------------------------------------------------------
 def cell(row) -> str:
   if row is None:
@@ -248,7 +217,7 @@ def table_lines(rows, layout) -> list:
   return lines + [""] + notes(rows)
 
 
-def format_lines(rows) -> list:
+def format_lines(rows, smoke=False) -> list:
   columns = list(dict.fromkeys(r["column"] for r in rows))
   formats = list(dict.fromkeys((r["format"], r["layout"]) for r in rows))
   base = {c: next((r for r in rows if r["column"] == c and r["format"] == P.FORMATS[0]
@@ -272,8 +241,9 @@ def format_lines(rows) -> list:
       cells += [cell(r), pct]
     label = "bfloat16 (= auto)" if cd == "bfloat16" else cd
     lines.append(f"| {label} | {layout} | " + " | ".join(cells) + f" | {pick} |")
-  lines += ["", "Target >= 90 % of bf16: " + ("met by every measured format" if not short
-                                               else "missed by " + ", ".join(short))]
+  if not smoke:
+    lines += ["", "Target >= 90 % of bf16: " + ("met by every measured format" if not short
+                                                 else "missed by " + ", ".join(short))]
   return lines + notes(rows)
 
 
@@ -283,18 +253,14 @@ def report(result, layout) -> list:
            f"- command: `{result['command']}`", f"- device: {result['device']}",
            f"- versions: {json.dumps(result['versions'])}", ""]
   if result["smoke"]:
-    lines[-1:] = ["- smoke run: tiny problems, kernels in interpret mode on CPU (not a speed)", ""]
+    lines[-1:] = ["- smoke run: tiny problems, kernels in interpret mode; its timings mean "
+                  "nothing", ""]
   if "checks" in parts:
     lines += check_lines(parts["checks"]) + [""]
   if "table" in parts:
     lines += table_lines(parts["table"], layout) + [""]
   if "formats" in parts:
-    lines += format_lines(parts["formats"]) + [""]
-  if "sweep" in parts:
-    problem = parts["sweep"][0]["problem"] if parts["sweep"] else "?"
-    lines += ["## Triton tile sweep (rows,block_kv,warps,stages), TFLOP/s (ms)", "",
-              f"| config | {problem} |", "|---|---|"]
-    lines += [f"| {r['column']} | {cell(r)} |" for r in parts["sweep"]] + [""]
+    lines += format_lines(parts["formats"], result["smoke"]) + [""]
   return lines
 
 
@@ -303,9 +269,6 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny CPU interpret-mode run")
   ap.add_argument("--parts", default="checks,table,formats",
                   help=f"comma-separated parts among {','.join(PARTS)}")
-  ap.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None,
-                  help="also run the Triton tile sweep: 'rows,block_kv,warps,stages;...' "
-                  f"(default {DEFAULT_SWEEP})")
   ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"),
                   help="cache layout of the table's kvjax columns")
   ap.add_argument("--json", default=None,
@@ -317,11 +280,10 @@ def main():
   bad = [p for p in parts if p not in PARTS]
   if bad:
     ap.error(f"--parts: unknown {bad}; choose among {PARTS}")
-  if args.sweep is not None and "sweep" not in parts:
-    parts.append("sweep")
-  out = os.environ.get("OUT")
-  json_path = args.json or (os.path.join(out, "prefill.json") if out else None)
-  md_path = args.md or (os.path.join(out, "prefill.md") if out else None)
+  if args.smoke:
+    common.announce_smoke(jax.default_backend())
+  json_path = common.output_path(args.json, "prefill.json")
+  md_path = common.output_path(args.md, "prefill.md")
   t0 = time.time()
   result = dict(date=common.now_utc(), command=common.command_line(),
                 versions=common.versions(), device=common.device_name(), smoke=args.smoke,
@@ -329,8 +291,7 @@ def main():
   say(f"versions: {result['versions']}, device: {result['device']}")
   runners = dict(checks=lambda: run_checks(args.smoke),
                  table=lambda: run_table(args.smoke, args.layout),
-                 formats=lambda: run_formats(args.smoke),
-                 sweep=lambda: run_sweep(args.smoke, args.sweep or DEFAULT_SWEEP))
+                 formats=lambda: run_formats(args.smoke))
   for part in PARTS:
     if part not in parts:
       continue

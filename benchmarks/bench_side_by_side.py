@@ -4,20 +4,20 @@ GPU (H200):  PYTHONUNBUFFERED=1 python benchmarks/bench_side_by_side.py [--part 
              [--impl pallas] [--label NAME] [--json PATH]
 CPU smoke:   python benchmarks/bench_side_by_side.py --smoke
 
-Only public API is used (``kvjax.KVCacheSpec``, ``kvjax.unified_attention(..., impl=...)``), so the
-same script measures an older checkout of kvjax (put it first on PYTHONPATH, give ``--label``)
+Only public API is used (``kvjax.KVCacheSpec``, ``kvjax.unified_attention(..., impl=...)``), so
+the same script measures an older checkout of kvjax (put it first on PYTHONPATH, give ``--label``)
 against the current one in one session.
 
-Decode (issue 12's table): bf16 queries, Hq=32, H=8, D=128, block 16, pages shuffled, one query
-token per sequence, at the five batch x context shapes; every cache format and layout. For each:
+Decode: bf16 queries, Hq=32, H=8, D=128, block 16, pages shuffled, one query token per
+sequence, at the five batch x context shapes; every cache format and layout. For each:
 µs per step (3 steps chained in one jitted call), tokens/s relative to bf16 of the same layout,
 TB/s of the format's own bytes (``batch * ctx * page_bytes / block_size``: data and scales), and
 vLLM's Triton kernel on the very same cache buffer (best of its 2-D and split-KV 3-D paths)
 where vLLM has that format.
-Prefill (issue 13's table): causal prefill 4x4096, 16x1024, 1x16384 and the serving mix (one
-4096-token prefill + 64 decodes at 4096) through the paged cache, TFLOP/s = 4·Hq·D·(visible
-query-key pairs); peers: vLLM's kernel on the same cache, torch SDPA with ``enable_gqa`` and
-cuDNN (``jax.nn.dot_product_attention``) on dense KV.
+Prefill: causal prefill 4x4096, 16x1024, 1x16384 and the serving mix (one 4096-token prefill
+and 64 decodes at 4096) through the paged cache, TFLOP/s = 4·Hq·D·(visible query-key pairs);
+rows keyed by ``problem``, times also in ``us`` (so ``tools/ab.py`` pairs them); peers: vLLM's
+kernel on the same cache, torch SDPA with ``enable_gqa`` and cuDNN on dense KV.
 """
 from __future__ import annotations
 
@@ -218,12 +218,13 @@ def prefill_part(args, interpret):
         problem = paged_problem(spec, q_lens, ctx_lens)
         mql = max(q_lens)
         f = jax.jit(kvjax_step(spec, args.impl, mql, interpret))
-        r = {"part": "prefill", "label": args.label, "case": name, "cache_dtype": cd,
+        r = {"part": "prefill", "label": args.label, "problem": name, "cache_dtype": cd,
              "layout": layout, "gflop": round(flops / 1e9, 2)}
         try:
           ms = common.time_jax(f, *problem, reps=3 if interpret else 5,
                                inner=1 if interpret else 5)
-          r.update(ms=round(ms, 4), tflops=round(flops / (ms * 1e-3) / 1e12, 1))
+          r.update(ms=round(ms, 4), us=round(ms * 1e3, 1),
+                   tflops=round(flops / (ms * 1e-3) / 1e12, 1))
         except Exception as e:  # noqa: BLE001
           r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if use_vllm and vllm_peer.supports(spec):
@@ -251,7 +252,8 @@ def main():
   ap.add_argument("--impl", default="pallas", help="kvjax implementation to time")
   ap.add_argument("--label", default="current", help="name of this kvjax checkout in the JSON")
   ap.add_argument("--no-vllm", action="store_true")
-  ap.add_argument("--json", default=None)
+  ap.add_argument("--json", default=None, help="write the rows here (default "
+                  "$OUT/side_by_side_<label>_<part>.json when $OUT is set)")
   ap.add_argument("--formats", type=lambda s: s.split(","), default=None,
                   help="comma list of cache dtypes (default: every one of the part)")
   ap.add_argument("--decode-shapes", default=None,
@@ -260,6 +262,8 @@ def main():
   ap.add_argument("--prefill-cases", type=lambda s: s.split(","), default=None,
                   help=f"comma list among {[c[0] for c in PREFILLS]} (default: all)")
   args = ap.parse_args()
+  if args.smoke:
+    common.announce_smoke(jax.default_backend())
   interpret = args.smoke or jax.default_backend() == "cpu"
   info = {"device": common.device_name(), "date": common.now_utc(),
           "versions": common.versions(), "command": common.command_line(),
@@ -271,11 +275,11 @@ def main():
     rows += decode_part(args, interpret)
   if args.part in ("prefill", "all"):
     rows += prefill_part(args, interpret)
-  out = args.json or os.path.join(os.environ.get("OUT", "/tmp"),
-                                  f"side_by_side_{args.label}_{args.part}.json")
-  with open(out, "w") as f:
-    json.dump(dict(info, rows=rows), f, indent=1)
-  print(f"wrote {out}", flush=True)
+  out = common.output_path(args.json, f"side_by_side_{args.label}_{args.part}.json")
+  if out:
+    with open(out, "w") as f:
+      json.dump(dict(info, rows=rows), f, indent=1)
+    print(f"wrote {out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,35 @@
-"""Benchmark and GPU check of the Pallas cache-write kernel (issue 4).
+"""Benchmark of the Triton cache-write kernel, every cache format, next to vLLM's writers.
 
 GPU (H200):  PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
-               python benchmarks/bench_write.py [--md PATH] [--log-dir DIR]
+               python benchmarks/bench_write.py [--parts checks,formats] [--default-config]
+               [--formats nvfp4,...] [--no-vllm] [--json PATH] [--md PATH]
 CPU smoke:   python benchmarks/bench_write.py --smoke      (tiny sizes, interpret mode)
-Kernels:     python benchmarks/bench_write.py --trace nvfp4:HND,int4_per_token_head:NHD
 
-1. compiled kernel == reference bytes (poisoned caches, padded slots), several cache dtypes
-   and both layouts, plus the dequantize kernels == ``kvjax.views.dequantize_stored``;
-2. optimized HLO of the donated jitted write: any ``copy`` of the cache?
-3. bf16 write of 8192 tokens (H=8, D=128, N=16, NHD) into a 2 GB and a 32 GB cache, against
-   a measured device copy rate (part "timing");
-5. every format's quantize-on-write of 8192 tokens, best of a launch-config sweep
-   (``--default-config``: the default only), next to vLLM's writers where they run (part
-   "formats"), the best config's write kernel alone from a profiler trace of the same loop
-   (``--trace``: only the traced kernels), and its writes queued without a loop.
+Parts (``--parts``, default both):
+  checks   the kernel's bytes == ``kvjax.reference.cache_update.write_kv`` under jit, on this
+           device and on the CPU (poisoned caches, padded slots in random order, several
+           cache dtypes and both layouts, strided pair loads, tiny nvfp4 block scales), and
+           the dequantize kernel == ``kvjax.views.dequantize_stored``;
+  formats  every format's quantize-on-write of 8192 tokens (H=8, D=128, N=16, bf16 K/V,
+           random pages of a 2 GB cache): the best of FORMAT_CONFIGS launch configs
+           (``--default-config``: the default only), the best config's write kernel alone
+           (profiler trace of the same loop, ``device_trace.py``), its writes queued without a
+           loop, and vLLM's writer on the same problem where vLLM has one.
 Timing: a jitted, cache-donating ``fori_loop`` of writes (4 rotating input sets a step, so
 nothing stays in L2), device time per write = loop time / writes, median of trials; "queued":
 32 writes unrolled in one jit, called back to back (what a jitted serving step pays).
-Copy rate: an XLA device-to-device copy of 1 GiB, timed the same way (bytes written / s;
-bytes moved = 2x that). Rates are "bytes written / s" and "bytes read + written / s".
+Rates are bytes read (bf16 K/V) + written (the format's rows) per second, as a % of an XLA
+device-to-device copy of 1 GiB timed the same way (its bytes read + written per second).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
+import json
 import os
-import platform
-import re
 import statistics
 import sys
 import time
-import traceback
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,16 +42,11 @@ from kvjax import KVCacheSpec  # noqa: E402
 from kvjax import views  # noqa: E402
 from kvjax.reference import cache_update as ref  # noqa: E402
 from pallas_kernels.triton import write as cu  # noqa: E402
-from pallas_kernels.triton.formats import TileFormat  # noqa: E402
+from pallas_kernels.triton.adapters import tile_format  # noqa: E402
 from pallas_kernels.triton import dequant as dq  # noqa: E402
+from benchmarks import common  # noqa: E402
 
-LOG = []
-
-
-def log(*a):
-  s = " ".join(str(x) for x in a)
-  print(s, flush=True)
-  LOG.append(s)
+log = functools.partial(print, flush=True)
 
 
 def as_bytes(x):
@@ -153,69 +147,7 @@ def check_case(rng, case, interpret, cpu_ref, config=None, scale_boost=1.0):
   return out
 
 
-def conversion_probe(interpret):
-  """e4m3 <-> float32 conversions: XLA on this device and the Triton kernel vs XLA on the CPU."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as pltriton
-  cpu = jax.devices("cpu")[0]
-  codes = np.arange(256, dtype=np.uint8)
-  rng = np.random.default_rng(3)
-  vals = np.concatenate([rng.uniform(0, 0.02, 2048), rng.uniform(0, 448, 2048)]).astype(np.float32)
-
-  def kern(c_ref, v_ref, f_ref, e_ref):
-    c = pltriton.load(c_ref.at[jnp.arange(256)])
-    f_ref[...] = jax.lax.bitcast_convert_type(c, jnp.float8_e4m3fn).astype(jnp.float32)
-    x = pltriton.load(v_ref.at[jnp.arange(4096)])
-    e_ref[...] = jax.lax.bitcast_convert_type(x.astype(jnp.float8_e4m3fn), jnp.uint8)
-
-  extra = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=4)}
-  tri_f, tri_e = pl.pallas_call(
-      kern, out_shape=(jax.ShapeDtypeStruct((256,), jnp.float32),
-                       jax.ShapeDtypeStruct((4096,), jnp.uint8)),
-      in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2, interpret=interpret, **extra)(
-          jnp.asarray(codes), jnp.asarray(vals))
-  to_f = jax.jit(lambda c: jax.lax.bitcast_convert_type(c, jnp.float8_e4m3fn).astype(jnp.float32))
-  to_e = jax.jit(lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float8_e4m3fn), jnp.uint8))
-  cpu_f = to_f(jax.device_put(codes, cpu))
-  cpu_e = to_e(jax.device_put(vals, cpu))
-  dev_f, dev_e = to_f(jnp.asarray(codes)), to_e(jnp.asarray(vals))
-  sub = [i for i in range(256) if (i & 0x78) == 0 and (i & 7)]
-  rows = {
-      "e4m3->f32 (256 codes)": (_diff_f32(dev_f, cpu_f), _diff_f32(tri_f, cpu_f)),
-      "e4m3->f32 subnormal codes": (
-          int((np.asarray(dev_f)[sub] != np.asarray(cpu_f)[sub]).sum()),
-          int((np.asarray(tri_f)[sub] != np.asarray(cpu_f)[sub]).sum())),
-      "f32->e4m3 (4096 values)": (_diff(dev_e, cpu_e), _diff(tri_e, cpu_e)),
-  }
-  examples = [(f"0x{i:02x}", float(np.asarray(cpu_f)[i]), float(np.asarray(dev_f)[i]),
-               float(np.asarray(tri_f)[i])) for i in sub[:4]]
-  return rows, examples
-
-
-# -- 2. HLO ---------------------------------------------------------------------------------
-def hlo_finding(spec, nb, t, interpret, log_dir):
-  rng = np.random.default_rng(1)
-  cache = jax.ShapeDtypeStruct(spec.physical_shape(nb), spec.storage_dtype)
-  kv = jax.ShapeDtypeStruct((t, spec.num_kv_heads, spec.head_size), spec.dtype)
-  slots = jax.ShapeDtypeStruct((t,), jnp.int32)
-  del rng
-  out = {}
-  f = lambda c, k, v, s: cu.write_kv(c, k, v, s, spec, interpret=interpret)
-  shape_str = ",".join(str(x) for x in spec.physical_shape(nb))
-  for name, donate in (("donated", (0,)), ("not_donated", ())):
-    text = jax.jit(f, donate_argnums=donate).lower(cache, kv, kv, slots).compile().as_text()
-    if log_dir:
-      with open(os.path.join(log_dir, f"hlo_write_{spec.cache_dtype}_{name}.txt"), "w") as fh:
-        fh.write(text)
-    lines = [ln.strip() for ln in text.splitlines()
-             if re.search(r"\bcopy(-start|-done)?\(|\bcopy\b|memcpy", ln)]
-    cache_copies = [ln for ln in lines if shape_str in ln]
-    alias = "input_output_alias" in text
-    out[name] = (len(lines), len(cache_copies), alias, cache_copies[:3])
-  return out
-
-
-# -- 3./5. timing -----------------------------------------------------------------------------
+# -- 2. timing -----------------------------------------------------------------------------
 def one_write(spec, interpret, config):
   """``(cache, k, v, slots) -> cache``: one write of the benchmark (fixed tensor scales)."""
   ks, vs = ((jnp.float32(0.3), jnp.float32(0.2)) if spec.format.has_tensor_scales
@@ -273,32 +205,15 @@ def queued_time_per_write(spec, cache, inputs, rounds, calls, trials, interpret,
                          cache, inputs, calls, trials)
 
 
-def traced_kernels(spec, cache, inputs, iters, config):
-  """The device kernels of the write loop (not donated: each call also copies the cache), per
-  write, from a profiler trace: ``[(name, µs a write, launches a write)]``, and the write
-  kernel's µs a write (None when the backend records no device kernels, e.g. CPU)."""
-  from device_trace import kernel_breakdown
-  writes = iters * len(inputs)
+def kernel_us_per_write(spec, cache, inputs, iters, config):
+  """µs a write of the write kernel alone, from a profiler trace of the write loop (not
+  donated: each call also copies the cache, a kernel of its own); None when the backend
+  records no device kernels (CPU)."""
+  from benchmarks.device_trace import kernel_breakdown
   rows, _ = kernel_breakdown(jax.jit(write_loop(spec, iters, False, config)), cache, inputs,
                              calls=3)
-  rows = [(name, us / writes, launches / writes) for name, us, launches in rows]
   kernel = [us for name, us, _ in rows if name.startswith("write_kv_")]
-  return rows, (kernel[0] if kernel else None)
-
-
-def call_time(spec, cache, k, v, s, reps, interpret, config):
-  """Median wall seconds of one donated jitted write call (dispatch included)."""
-  f = jax.jit(lambda c, k, v, s: cu.write_kv(c, k, v, s, spec, interpret=interpret,
-                                             config=config), donate_argnums=0)
-  cache = f(cache, k, v, s)
-  cache.block_until_ready()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    cache = f(cache, k, v, s)
-    cache.block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), cache
+  return kernel[0] / (iters * len(inputs)) if kernel else None
 
 
 def copy_rate(nbytes, iters, trials):
@@ -334,7 +249,7 @@ def fill_cache(spec, num_blocks):
   return f()
 
 
-# -- 5. per-format table ----------------------------------------------------------------------
+# -- per-format table ----------------------------------------------------------------------
 #: (cache dtype, layout) rows of the per-format table: every format, both layouts where allowed.
 FORMAT_ROWS = [("auto", "NHD"), ("auto", "HND"), ("fp8", "NHD"), ("fp8", "HND"),
                ("int8_per_token_head", "NHD"), ("int8_per_token_head", "HND"),
@@ -355,12 +270,12 @@ def moved_bytes(spec, t):
 def vllm_write_us(spec, t, rng):
   """vLLM's cache writer for the format (microseconds, CUDA events) on the same problem, or
   None where vLLM has no writer for it (nvfp4) or its kernels are absent."""
-  import vllm_peer
+  from benchmarks import vllm_peer
   if not vllm_peer.available() or not vllm_peer.supports(spec):
     return None
   import torch
   import torch_bridge as tb
-  from common import time_torch
+  from benchmarks.common import time_torch
   nb = (2 * 2**30) // spec.page_bytes
   cache_t = tb.to_torch(spec.allocate(nb), spec)
   k, v = (torch.from_dlpack(x) for x in random_kv(rng, spec, t))
@@ -399,7 +314,7 @@ def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, 
     wbytes, rbytes = moved_bytes(spec, t_tok)
     default = cu.default_config(spec)
     tried = []
-    fmt = TileFormat.of(spec)
+    fmt = tile_format(spec)
     splits = fmt.split and not fmt.write_words   # the formats whose encoders use io.pairs
     for cfg in ([default] + [c for c in configs if c != default and (splits or c.pair_split
                                                                     == default.pair_split)]):
@@ -416,7 +331,7 @@ def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, 
     kernel_us = queued_sec = None
     if not interpret:
       try:
-        kernel_us = traced_kernels(spec, cache, inputs, 4, best_cfg)[1]
+        kernel_us = kernel_us_per_write(spec, cache, inputs, 4, best_cfg)
       except Exception as e:   # noqa: BLE001
         log(f"  {cd} {layout} trace: ERROR {type(e).__name__}: {str(e)[:200]}")
     try:
@@ -445,12 +360,9 @@ def format_table(rng, crate, t_tok, iters, trials, interpret, smoke, with_vllm, 
                                 100 * (wbytes + rbytes) / queued_sec / (2 * crate)))
     rows.append(row)
     log(f"  {cd:22s} {layout}: best {row['us']:6.1f} us ({row['config']}), default "
-        f"{row['default_us']:6.1f} us, r+w {row['rw_tbs']:.3f} TB/s = {row['pct_copy']:5.1f}% of "
-        f"copy; kernel alone {_cell(kernel_us, '.1f', ' us')} = "
-        f"{_cell(row['kernel_pct_copy'], '.1f', '%')} of copy; queued "
-        f"{_cell(row['queued_us'], '.1f', ' us')} = {_cell(row['queued_pct_copy'], '.1f', '%')}"
-        f" of copy; vLLM "
-        f"{_cell(vllm_us, '.1f', ' us')}")
+        f"{row['default_us']:6.1f} us, {row['pct_copy']:5.1f}% of copy; kernel alone "
+        f"{_cell(row['kernel_pct_copy'], '.1f', '%')}; queued "
+        f"{_cell(row['queued_pct_copy'], '.1f', '%')}; vLLM {_cell(vllm_us, '.1f', ' us')}")
   return rows
 
 
@@ -484,258 +396,108 @@ def format_table_md(rows, t_tok, crate, default_only=False):
   return lines
 
 
-def profile_once(cache_dtype, layout, t_tok):
-  """One warm compiled write loop of ``cache_dtype`` (for a profiler: the kernel is named
-  ``write_kv_<cache_dtype>_<layout>``)."""
-  spec, cache, inputs = format_problem(cache_dtype, layout, t_tok, np.random.default_rng(0))
-  sec, cache = device_time_per_write(spec, cache, inputs, 2, 2, False, None)
-  log(f"profile {cache_dtype} {layout}: {sec * 1e6:.1f} us per write")
-
-
-def trace_writes(targets, t_tok, iters=4):
-  """Per ``(cache dtype, layout)``: the device kernels of the timing loop (default config) per
-  write, from a profiler trace."""
-  rng = np.random.default_rng(0)
-  for cd, layout in targets:
-    spec, cache, inputs = format_problem(cd, layout, t_tok, rng)
-    rows, _ = traced_kernels(spec, cache, inputs, iters, None)
-    log(f"  {cd} {layout}: kernels a write (the loop's cache copies included):")
-    for name, us, launches in rows:
-      log(f"    {us:8.2f} us  x{launches:g}  {name[:80]}")
-    del cache, inputs
-
-
-def main():
-  warnings.filterwarnings("ignore", category=DeprecationWarning)
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--smoke", action="store_true", help="tiny sizes, interpret mode (CPU)")
-  ap.add_argument("--md", default=None, help="write the markdown report here")
-  ap.add_argument("--log-dir", default=None)
-  ap.add_argument("--parts", default="checks,hlo,timing,formats",
-                  help="comma list of: checks, hlo, timing (bf16 writes, cache sizes), "
-                  "formats (the per-format table)")
-  ap.add_argument("--json", default=None, help="write the per-format table here")
-  ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's writers")
-  ap.add_argument("--default-config", action="store_true",
-                  help="per-format table: time each format's default launch config only")
-  ap.add_argument("--formats", default=None,
-                  help="comma list of cache dtypes for the per-format table (default: all)")
-  ap.add_argument("--profile", default=None, metavar="CACHE_DTYPE:LAYOUT",
-                  help="only run one warm compiled write loop of this format (for a profiler)")
-  ap.add_argument("--trace", default=None, metavar="CACHE_DTYPE:LAYOUT,...",
-                  help="only print the device kernels of these formats' timing loops "
-                  "(profiler trace)")
-  args = ap.parse_args()
-  smoke = args.smoke
-  parts = set(args.parts.split(","))
-  if args.trace:
-    trace_writes([(t.partition(":")[0], t.partition(":")[2] or "NHD")
-                  for t in args.trace.split(",")], 8192)
-    return
-  if args.profile:
-    cd, _, layout = args.profile.partition(":")
-    profile_once(cd, layout or "NHD", 8192)
-    return
-  interpret = smoke or jax.default_backend() == "cpu"
-  rng = np.random.default_rng(0)
-  if args.log_dir:
-    os.makedirs(args.log_dir, exist_ok=True)
-  dev = jax.devices()[0]
-  versions = f"jax {jax.__version__}, python {platform.python_version()}"
-  try:
-    import triton  # noqa: F401
-    versions += f", triton {triton.__version__}"
-  except Exception:   # noqa: BLE001
-    pass
-  cmd = "python " + " ".join(sys.argv)
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  log(f"# bench_write: {date}; device {dev.device_kind} ({jax.default_backend()}); {versions}")
-
-  # 1. correctness
-  log("\n## 1. compiled kernel vs reference bytes (poisoned cache, 100 tokens + 5 pad slots)")
+def run_checks(rng, interpret, smoke):
+  """Part "checks": ``[(case, note, counts or None)]``, one line printed per case."""
   base = CHECK_CASES[:4] + CHECK_CASES[-3:-1] if smoke else CHECK_CASES
-  if "checks" not in parts:
-    base = []
   strided = cu.WriteConfig(pair_split=False)
   cases = [(c, "", None) for c in base]
   cases += [(c, "strided pairs", strided) for c in base
             if c[0] in ("int4_per_token_head", "nvfp4")][:3]
-  if "checks" in parts:
-    cases += [(("nvfp4", "HND", 8, 128, 16), "tiny SF (k_scale x300)", None)]
-  rows1 = []
+  cases += [(("nvfp4", "HND", 8, 128, 16), "tiny SF (k_scale x300)", None)]
+  rows = []
   for case, note, cfg in cases:
     t0 = time.perf_counter()
     try:
-      res = check_case(rng, case, interpret, cpu_ref=not interpret,
-                       config=cfg if isinstance(cfg, cu.WriteConfig) else None,
+      res = check_case(rng, case, interpret, cpu_ref=not interpret, config=cfg,
                        scale_boost=300.0 if note.startswith("tiny") else 1.0)
-    except Exception as e:   # noqa: BLE001  -- report and go on
-      res = None
-      log(f"  {case} {note}: ERROR {type(e).__name__}: {str(e)[:300]}")
-      LOG.append(traceback.format_exc())
-    if res:
       log(f"  {case} {note}: write bytes != ref: device {res['write_dev']}, CPU "
           f"{res['write_cpu']}; dequant elems != views: device {res['deq_dev']}, CPU "
           f"{res['deq_cpu']}  ({res['bytes']} cache bytes, {time.perf_counter() - t0:.1f}s)")
-    rows1.append((case, note, res))
-  conv, conv_ex = {}, []
-  try:
-    if "checks" in parts:
-      conv, conv_ex = conversion_probe(interpret)
-    for name, (cdev, tri) in conv.items():
-      log(f"  conversion {name}: XLA-device != XLA-CPU {cdev}, Triton != XLA-CPU {tri}")
-    for ex in conv_ex:
-      log(f"    subnormal code {ex[0]}: CPU {ex[1]!r}, XLA device {ex[2]!r}, Triton {ex[3]!r}")
-  except Exception as e:   # noqa: BLE001
-    conv, conv_ex = {}, []
-    log(f"  conversion probe: ERROR {type(e).__name__}: {str(e)[:300]}")
-    LOG.append(traceback.format_exc())
+    except Exception as e:   # noqa: BLE001  -- report and go on
+      res = None
+      log(f"  {case} {note}: ERROR {common.first_lines(e)}")
+    rows.append((case, note, res))
+  return rows
 
-  # 2. HLO
-  log("\n## 2. HLO of the donated jitted write")
-  hspec = KVCacheSpec(8, 128, 16, "auto", "NHD")
-  hlo = {}
-  try:
-    if "hlo" in parts:   # bf16 rows, and int4 rows stored as uint32 words (a bitcast view)
-      for hs in (hspec, KVCacheSpec(8, 128, 16, "int4_per_token_head", "NHD")):
-        found = hlo_finding(hs, 64 if smoke else 4096, 64 if smoke else 1024, interpret,
-                            args.log_dir)
-        hlo.update({f"{hs.cache_dtype} {k}": v for k, v in found.items()})
-  except Exception as e:   # noqa: BLE001
-    log(f"  HLO: ERROR {type(e).__name__}: {str(e)[:300]}")
-    LOG.append(traceback.format_exc())
-    hlo = {}
-  for name, (n_copy, n_cache_copy, alias, examples) in hlo.items():
-    log(f"  {name}: copy-like ops {n_copy}, touching the cache shape {n_cache_copy}, "
-        f"input_output_alias in module: {alias}")
-    for ex in examples:
-      log(f"     e.g. {ex[:200]}")
 
-  # 3. bf16 write timing
-  log("\n## 3. timing")
-  t_tok = 64 if smoke else 8192
-  iters, trials = (1, 2) if smoke else (25, 7)
-  bspec = KVCacheSpec(8, 128, 16, "auto", "NHD")
-  gib = 2**30
-  sizes = {"2GB": 2 * gib, "32GB": 32 * gib} if not smoke else {"1MB": 2**20, "4MB": 2**22}
-  small = next(iter(sizes))
-  copy_bytes = 2**20 if smoke else gib
-  crate, ctime = copy_rate(copy_bytes, 2 if smoke else 50, trials)
-  log(f"  device copy of {copy_bytes / 2**20:.0f} MiB: {ctime * 1e6:.1f} us, "
-      f"{crate / 1e12:.3f} TB/s written ({2 * crate / 1e12:.3f} TB/s read+written)")
-  bf16_w, bf16_r = moved_bytes(bspec, t_tok)
-  configs = [cu.WriteConfig(tb, w) for tb in (1, 8) for w in (2, 4)]
-  if smoke:
-    configs = configs[:2]
-  table = []   # (what, cache, config, us, written TB/s, r+w TB/s, % of copy)
-
-  def record(what, cache_name, cfg, sec, wbytes, rbytes):
-    wr, rw = wbytes / sec, (wbytes + rbytes) / sec
-    pct = 100 * wr / crate
-    table.append((what, cache_name, f"tb={cfg.tokens_per_program},w={cfg.num_warps}",
-                  sec * 1e6, wr / 1e12, rw / 1e12, pct))
-    log(f"  {what:9s} {cache_name:5s} tb={cfg.tokens_per_program} warps={cfg.num_warps}: "
-        f"{sec * 1e6:8.1f} us  written {wr / 1e12:.3f} TB/s  r+w {rw / 1e12:.3f} TB/s  "
-        f"{pct:5.1f}% of copy (written)")
-
-  if "timing" not in parts:
-    sizes = {}
-  best = {}
-  for name, nbytes in sizes.items():
-    nb = nbytes // bspec.page_bytes
-    cache = fill_cache(bspec, nb)
-    inputs = make_inputs(rng, bspec, nb, t_tok, 4)
-    if name != small and "bf16" not in best:
-      break
-    for cfg in (configs if name == small else [best["bf16"][1], cu.WriteConfig()]):
-      try:
-        sec, cache = device_time_per_write(bspec, cache, inputs, iters, trials, interpret, cfg)
-      except Exception as e:   # noqa: BLE001
-        log(f"  bf16 {name} {cfg}: ERROR {type(e).__name__}: {str(e)[:300]}")
-        LOG.append(traceback.format_exc())
-        continue
-      record("bf16", name, cfg, sec, bf16_w, bf16_r)
-      if name == small and (("bf16" not in best) or sec < best["bf16"][0]):
-        best["bf16"] = (sec, cfg)
-    k, v, s = inputs[0]
-    try:
-      sec, cache = call_time(bspec, cache, k, v, s, 5 if smoke else 30, interpret,
-                             best["bf16"][1])
-      log(f"  bf16 {name}: one donated jitted call (dispatch + sync included) {sec * 1e6:.1f} us")
-      table.append(("bf16 call", name, "best", sec * 1e6, bf16_w / sec / 1e12,
-                    (bf16_w + bf16_r) / sec / 1e12, float("nan")))
-    except Exception as e:   # noqa: BLE001
-      log(f"  bf16 call {name}: ERROR {type(e).__name__}: {str(e)[:300]}")
-      LOG.append(traceback.format_exc())
-    del cache, inputs
-
-  format_rows = []
-  if "formats" in parts:
-    log("\n## 5. per-format table")
-    format_rows = format_table(rng, crate, t_tok, iters, trials, interpret, smoke,
-                               not args.no_vllm,
-                               None if args.formats is None else args.formats.split(","),
-                               args.default_config)
-    if args.json:
-      import json
-      with open(args.json, "w") as fh:
-        json.dump(dict(date=date, versions=versions, copy_written_tbs=crate / 1e12,
-                       rows=format_rows), fh, indent=1)
-
-  # summary
-  lines = [f"# Cache write kernel (issue 4): {'SMOKE (CPU interpret, tiny sizes)' if smoke else 'H200'}",
-           "", f"- command: `{cmd}`", f"- date: {date}", f"- device: {dev.device_kind} "
-           f"({jax.default_backend()})", f"- versions: {versions}", "",
-           "## 1. Compiled kernel == reference bytes", "",
+def checks_md(rows):
+  lines = ["## Compiled kernel == reference bytes", "",
            "Poisoned caches (random bytes), 100 tokens + 5 padding slots in random order; the "
-           "reference is `kvjax.reference.cache_update.write_kv` under `jax.jit`, run on the GPU "
-           "and on the CPU; dequant = `pallas_kernels.triton.dequant` vs `kvjax.views.dequantize_stored`"
-           " over all 24 pages (poisoned ones included).", "",
-           "| cache dtype | layout | H | D | N | variant | write bytes != ref (GPU) | "
-           "write bytes != ref (CPU) | dequant elems != views (GPU) | dequant != views (CPU) |",
+           "reference is `kvjax.reference.cache_update.write_kv` under `jax.jit`, run on this "
+           "device and on the CPU; dequant = `pallas_kernels.triton.dequant` vs "
+           "`kvjax.views.dequantize_stored` over all 24 pages (poisoned ones included).", "",
+           "| cache dtype | layout | H | D | N | variant | write bytes != ref (device) | "
+           "write bytes != ref (CPU) | dequant elems != views (device) | dequant != views (CPU) |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-  for case, note, res in rows1:
+  for case, note, res in rows:
     cells = ["error"] * 4 if res is None else [
         str(res["write_dev"]), str(res["write_cpu"]) if res["write_cpu"] >= 0 else "-",
         str(res["deq_dev"]), str(res["deq_cpu"]) if res["deq_cpu"] >= 0 else "-"]
     lines.append("| " + " | ".join(str(c) for c in case) + f" | {note or '-'} | "
                  + " | ".join(cells) + " |")
-  if conv:
-    lines += ["", "e4m3 <-> float32 conversion probe (XLA on this device / Triton kernel vs XLA "
-              "on the CPU):", ""]
-    for name, (cdev, tri) in conv.items():
-      lines.append(f"- {name}: XLA-device differs in {cdev}, Triton differs in {tri}")
-    for ex in conv_ex:
-      lines.append(f"- subnormal code {ex[0]}: CPU {ex[1]!r}, XLA device {ex[2]!r}, "
-                   f"Triton {ex[3]!r}")
-  lines += ["", "## 2. HLO of the donated jitted write (bf16 and int4 NHD caches)", ""]
-  for name, (n_copy, n_cache_copy, alias, examples) in hlo.items():
-    lines.append(f"- {name}: copy ops {n_copy}, of the cache shape {n_cache_copy}, "
-                 f"input_output_alias: {alias}" + (f"; e.g. `{examples[0][:160]}`" if examples
-                                                   else ""))
-  lines += ["", "## 3. Timing of bf16 writes (device time per write, median)", "",
-            f"Device copy ({copy_bytes / 2**20:.0f} MiB, XLA): {ctime * 1e6:.1f} us, "
-            f"{crate / 1e12:.3f} TB/s written, {2 * crate / 1e12:.3f} TB/s read+written.", "",
-            f"bf16: {t_tok} tokens, H=8, D=128, N=16, NHD: {bf16_w / 1e6:.1f} MB written, "
-            f"{bf16_r / 1e6:.1f} MB read; % = written/s over copy's written/s (every format: "
-            "section 5).", "",
-            "| write | cache | config | us | written TB/s | r+w TB/s | % of copy |",
-            "|---|---|---|---|---|---|---|"]
-  for row in table:
-    lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]:.1f} | {row[4]:.3f} | "
-                 f"{row[5]:.3f} | {row[6]:.1f} |")
+  return lines
+
+
+def main():
+  warnings.filterwarnings("ignore", category=DeprecationWarning)
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--smoke", action="store_true", help="tiny sizes, interpret mode (CPU)")
+  ap.add_argument("--parts", default="checks,formats", help="comma list of: checks, formats")
+  ap.add_argument("--formats", default=None,
+                  help="comma list of cache dtypes for the per-format table (default: all)")
+  ap.add_argument("--default-config", action="store_true",
+                  help="per-format table: time each format's default launch config only")
+  ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's writers")
+  ap.add_argument("--json", default=None, help="write the per-format table here (default "
+                  "$OUT/write.json when $OUT is set)")
+  ap.add_argument("--md", default=None, help="write the markdown report here (default "
+                  "$OUT/write.md when $OUT is set)")
+  args = ap.parse_args()
+  smoke = args.smoke
+  if smoke:
+    common.announce_smoke(jax.default_backend())
+  parts = set(args.parts.split(","))
+  interpret = smoke or jax.default_backend() == "cpu"
+  rng = np.random.default_rng(0)
+  info = dict(date=common.now_utc(), command=common.command_line(),
+              device=common.device_name(), versions=common.versions())
+  log(json.dumps(info))
+  rows1 = []
+  if "checks" in parts:
+    log("\n## compiled kernel vs reference bytes (poisoned cache, 100 tokens + 5 pad slots)")
+    rows1 = run_checks(rng, interpret, smoke)
+  format_rows, crate = [], None
+  t_tok = 64 if smoke else 8192
+  if "formats" in parts:
+    iters, trials = (1, 2) if smoke else (25, 7)
+    copy_bytes = 2**20 if smoke else 2**30
+    crate, ctime = copy_rate(copy_bytes, 2 if smoke else 50, trials)
+    log(f"\n## per-format table\n  device copy of {copy_bytes / 2**20:.0f} MiB: "
+        f"{ctime * 1e6:.1f} us, {2 * crate / 1e12:.3f} TB/s read+written")
+    format_rows = format_table(rng, crate, t_tok, iters, trials, interpret, smoke,
+                               not args.no_vllm,
+                               None if args.formats is None else args.formats.split(","),
+                               args.default_config)
+  json_path = common.output_path(args.json, "write.json")
+  if json_path and format_rows:
+    with open(json_path, "w") as fh:
+      json.dump(dict(info, copy_written_tbs=crate / 1e12, rows=format_rows), fh, indent=1)
+    log(f"wrote {json_path}")
+  lines = [f"# Cache write kernel, {info['date']}", "", f"- command: `{info['command']}`",
+           f"- device: {info['device']}", f"- versions: {json.dumps(info['versions'])}", ""]
+  if rows1:
+    lines += checks_md(rows1) + [""]
   if format_rows:
-    lines += ["", "## 5. Per format (device time per write, "
+    lines += ["## Per format (device time per write, "
               + ("default" if args.default_config else "best") + " launch config)", ""]
     lines += format_table_md(format_rows, t_tok, crate, args.default_config)
   md = "\n".join(lines) + "\n"
   print("\n" + md)
-  if args.md:
-    with open(args.md, "w") as fh:
+  md_path = common.output_path(args.md, "write.md")
+  if md_path:
+    with open(md_path, "w") as fh:
       fh.write(md)
-  if args.log_dir:
-    with open(os.path.join(args.log_dir, "bench_write.log"), "w") as fh:
-      fh.write("\n".join(LOG) + "\n")
+    log(f"wrote {md_path}")
 
 
 if __name__ == "__main__":

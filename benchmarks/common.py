@@ -1,14 +1,15 @@
-"""Shared benchmark helpers: timing (JAX and torch), the device copy ceiling, versions.
+"""Shared benchmark helpers: timing (JAX and torch), the device copy ceiling, versions, where
+results go, and the smoke-run notice.
 
-Timing rules (METHOD.md): warm up first (compilation out of the numbers), repeat,
-report the median; JAX work is timed on the host around ``block_until_ready``
-of a batch of back-to-back calls (dispatch is asynchronous, so the batch keeps
-the GPU busy); torch work with CUDA events through ``triton.testing.do_bench``
-when available.
+Timing rules: warm up first (compilation out of the numbers), repeat, report the median. JAX
+work is timed on the host around ``block_until_ready`` of a batch of back-to-back calls
+(dispatch is asynchronous, so the batch keeps the GPU busy); torch work with CUDA events
+through ``triton.testing.do_bench`` when available.
 """
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -116,3 +117,18 @@ def now_utc() -> str:
 
 def command_line() -> str:
   return "python " + " ".join(sys.argv)
+
+
+def announce_smoke(where: str = "cpu"):
+  """The first line of every ``--smoke`` run: what its numbers are worth."""
+  print(f"smoke run on {where}: tiny shapes; it checks that the benchmark runs, its timings "
+        "mean nothing", flush=True)
+
+
+def output_path(given, name: str):
+  """Where a result file goes: ``given`` (the script's ``--json`` / ``--md``), else
+  ``$OUT/<name>`` when ``$OUT`` is set, else None (results are printed only)."""
+  if given:
+    return given
+  out = os.environ.get("OUT")
+  return os.path.join(out, name) if out else None

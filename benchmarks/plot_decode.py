@@ -1,15 +1,16 @@
 """Plot the decode benchmark: KV bytes read per second per (kernel, cache dtype, layout), and
 each cache format's speed relative to bf16.
 
-``python benchmarks/plot_decode.py [--results benchmarks/results/decode.json]
-[--out docs/img/decode_bandwidth.png] [--formats bfloat16,fp8] [--kernels triton]
-[--speedup-out docs/img/decode_speedup.png]`` (needs matplotlib: ``pip install kvjax[viz]``).
+``python benchmarks/plot_decode.py --results decode.json [--out decode_bandwidth.png]
+[--formats bfloat16,fp8] [--kernels triton] [--speedup-out decode_speedup.png]`` (needs
+matplotlib: ``pip install kvjax[viz]``).
+
+``--results`` takes the JSON of a ``bench_decode.py --json PATH`` run.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Optional
 
@@ -179,10 +180,8 @@ def plot_decode_speedup(results_json, path: str, kernel: str = "triton", formats
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  here = os.path.dirname(os.path.abspath(__file__))
-  parser.add_argument("--results", default=os.path.join(here, "results", "decode.json"))
-  parser.add_argument("--out", default=os.path.join(here, "..", "docs", "img",
-                                                    "decode_bandwidth.png"))
+  parser.add_argument("--results", required=True, help="a bench_decode.py --json file")
+  parser.add_argument("--out", default="decode_bandwidth.png")
   parser.add_argument("--formats", default=None, help="cache dtypes to draw (default: all)")
   parser.add_argument("--kernels", default=None, help="kernels to draw (default: all)")
   parser.add_argument("--speedup-out", default=None,

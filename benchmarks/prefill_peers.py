@@ -1,4 +1,4 @@
-"""Shared pieces of the prefill benchmarks (``bench_prefill.py``, ``check_mosaic_gpu.py``).
+"""Shared pieces of the prefill benchmarks (``bench_prefill.py``, ``bench_side_by_side.py``).
 
 Problems (ragged batches over a paged cache with shuffled pages), their FLOP count, jitted
 kvjax calls, the name of what ``impl="auto"`` picks, and the dense peers (JAX's
@@ -57,17 +57,14 @@ def measure(thunk) -> dict:
 
 
 # -- problems ---------------------------------------------------------------------------------
-def visible_pairs(q_lens, ctx_lens, causal: bool = True) -> int:
-  """(query, key) pairs: causal, query i of a sequence (0-based) sees ctx + i + 1 keys;
-  otherwise every query sees all ctx + q keys."""
-  if not causal:
-    return sum(int(q) * (int(c) + int(q)) for q, c in zip(q_lens, ctx_lens))
+def visible_pairs(q_lens, ctx_lens) -> int:
+  """Causal (query, key) pairs: query i of a sequence (0-based) sees ctx + i + 1 keys."""
   return sum(int(q) * int(c) + int(q) * (int(q) + 1) // 2 for q, c in zip(q_lens, ctx_lens))
 
 
-def attention_flops(q_lens, ctx_lens, hq: int = HQ, d: int = D, causal: bool = True) -> int:
-  """4 * Hq * D * visible pairs (QK^T and PV)."""
-  return 4 * hq * d * visible_pairs(q_lens, ctx_lens, causal)
+def attention_flops(q_lens, ctx_lens, hq: int = HQ, d: int = D) -> int:
+  """4 * Hq * D * causal visible pairs (QK^T and PV)."""
+  return 4 * hq * d * visible_pairs(q_lens, ctx_lens)
 
 
 def tflops(flops: int, ms: float) -> float:

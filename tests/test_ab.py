@@ -1,4 +1,4 @@
-"""benchmarks/ab.py: the base tree's extraction and the alternation of two trees, on CPU with a
+"""benchmarks/tools/ab.py: the base tree's extraction and the alternation of two trees, on CPU with a
 stand-in benchmark script (no GPU, no kernels)."""
 import json
 import os
@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import ab
+from benchmarks.tools import ab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,7 +95,8 @@ def test_compare_output_is_json_serializable():
 
 
 def test_prefill_rows_match_on_implementation_and_problem():
-  """check_mosaic_gpu.py's bench rows (impl, problem, us) pair up across the trees."""
+  """Prefill rows keyed by implementation and problem (impl, problem, us) pair up across the
+  trees."""
   row = lambda impl, problem, us: dict(kind="bench", impl=impl, problem=problem, us=us)
   table = ab.compare({
       "base": [[row("Mosaic GPU NHD", "4x4096", 1100.0), row("Mosaic GPU NHD", "16x1024", 500.0),
@@ -106,8 +107,7 @@ def test_prefill_rows_match_on_implementation_and_problem():
 
 
 def test_sweep_rows_match_on_problem_and_configuration():
-  """sweep_mosaic_prefill.py's rows (round, problem, variant: the configuration, us) pair up
-  per configuration."""
+  """Sweep rows (round, problem, variant: the configuration, us) pair up per configuration."""
   row = lambda problem, config, us: dict(round=0, problem=problem, variant=config, us=us)
   table = ab.compare({
       "base": [[row("4x4096", "default", 1000.0), row("4x4096", "regs=240/24", 990.0)]],

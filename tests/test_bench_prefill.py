@@ -24,8 +24,6 @@ def test_visible_pairs_count_the_causal_mask(rng):
                    zip(q_lens, ctx_lens))
   assert P.visible_pairs(q_lens, ctx_lens) == mask_pairs
   assert P.attention_flops(q_lens, ctx_lens, hq=6, d=16) == 4 * 6 * 16 * mask_pairs
-  full = sum(int(q) * (int(c) + int(q)) for q, c in zip(q_lens, ctx_lens))
-  assert P.visible_pairs(q_lens, ctx_lens, causal=False) == full > mask_pairs
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8_per_token_head"])
@@ -98,4 +96,5 @@ def test_smoke_run_reports_every_part(tmp_path):
   formats = parts["formats"]
   assert sorted({r["format"] for r in formats}) == sorted(P.FORMATS)
   assert all("ms" in r for r in formats)
-  assert "Target >= 90 % of bf16" in proc.stdout
+  assert proc.stdout.startswith("smoke run on cpu: ")
+  assert "Target" not in proc.stdout          # no verdict on a smoke run's timings

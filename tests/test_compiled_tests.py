@@ -1,4 +1,4 @@
-"""benchmarks/compiled_tests.py: its pytest command and its counts of a run's outcomes, on a
+"""tests/compiled_groups.py: its pytest command and its counts of a run's outcomes, on a
 stand-in test file run for real (with and without xdist, finished and stopped early)."""
 import os
 import re
@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import compiled_tests as ct
+import compiled_groups as ct
 
 _TESTS = """
 import time

@@ -1,9 +1,9 @@
-"""benchmarks/ncu_source_summary.py on a small hand-made export in ncu's source-page CSV form:
+"""benchmarks/tools/ncu_source_summary.py on a small hand-made export in ncu's source-page CSV form:
 the header line before the table, predicates stripped from opcodes, regions by execution
 count, samples summed per reason and per opcode."""
 import gzip
 
-from benchmarks import ncu_source_summary as N
+from benchmarks.tools import ncu_source_summary as N
 
 _CSV = '''"Kernel Name","k",
 "Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait","stall_barrier","stall_wait (Not Issued)"
