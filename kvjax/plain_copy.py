@@ -17,7 +17,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import formats as F
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 
@@ -32,7 +31,7 @@ MAX_COPY_BYTES = 2 << 30
 def is_plain(spec: KVCacheSpec) -> bool:
   """Whether the cache already is plain (values stored as they are, no scales): a plain
   kernel can read it without a copy."""
-  return spec.format.kind == F.PLAIN
+  return spec.codec.is_plain
 
 
 def copy_bytes(spec: KVCacheSpec, num_seqs: int, max_blocks: int, dtype) -> int:

@@ -69,6 +69,10 @@ class AttentionCall:
   max_query_len: Optional[int] = None
 
 
+#: Device platform names and the registry platform they run.
+DEVICE_PLATFORMS = {"cuda": "gpu", "rocm": "gpu"}
+
+
 def platform() -> str:
   """The platform computations go to by default: that of ``jax.default_device`` where it is
   set (a device or a platform name), else the default backend's ("cpu", "gpu" or "tpu")."""
@@ -76,7 +80,7 @@ def platform() -> str:
   if dev is None:
     return jax.default_backend()
   name = dev if isinstance(dev, str) else dev.platform
-  return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+  return DEVICE_PLATFORMS.get(name, name)
 
 
 def platform_of(array) -> str:
@@ -342,7 +346,8 @@ def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
   """Which implementation runs ``op`` ("write", "attention" or "read") for ``spec``, and why.
 
   ``q_dtype``: the query dtype (attention; default the spec's model dtype). ``platform``:
-  decide for "cpu", "gpu" or "tpu" instead of the default backend. ``call``: the shapes of an
+  decide for "cpu", "gpu" or "tpu" (or a device platform name: "cuda", "rocm") instead of
+  the default backend. ``call``: the shapes of an
   attention call (:class:`AttentionCall`), for the rules that depend on them. ``layered``:
   for a layered (cross-layer) cache with ``layer=`` (:mod:`kvjax.layers`). The returned
   :class:`Choice` prints as a short report:
@@ -356,6 +361,12 @@ def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
   """
   if op not in REGISTRIES:
     raise ValueError(f"op={op!r} must be one of {sorted(REGISTRIES)}")
+  if platform is not None:
+    platform = DEVICE_PLATFORMS.get(platform, platform)
+    if platform not in PLATFORMS:
+      raise ValueError(f"platform={platform!r} must be one of {list(PLATFORMS)} (or a device "
+                       f"platform name: {sorted(DEVICE_PLATFORMS)}), or None for the default "
+                       "backend")
   args = (spec, spec.dtype if q_dtype is None else q_dtype) if op == "attention" else (spec,)
   also = None
   if layered and op == "attention":

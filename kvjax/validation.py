@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import formats as F
 from kvjax.slots import int32_slots
 from kvjax.spec import KVCacheSpec
 
@@ -108,7 +107,9 @@ def check_cache(spec: KVCacheSpec, cache, layer=None) -> int:
   with ``layer`` its layer index (:func:`check_layer`).
   """
   if not isinstance(spec, KVCacheSpec):
-    raise TypeError(f"spec must be a KVCacheSpec, got {_what(spec)}")
+    mla = " (an MLACacheSpec latent cache is written and read with write_kv / read_kv only; " \
+          "there is no MLA attention)" if type(spec).__name__ == "MLACacheSpec" else ""
+    raise TypeError(f"spec must be a KVCacheSpec, got {_what(spec)}{mla}")
   if not isinstance(cache, jax.Array):
     hint = " (wrap it once with jnp.asarray)" if isinstance(cache, np.ndarray) else ""
     raise TypeError(f"cache must be a jax.Array (the spec's physical array), got "
@@ -230,7 +231,7 @@ def check_scales(spec: KVCacheSpec, k_scale, v_scale):
     if not fmt.has_tensor_scales:
       continue
     shape = tuple(np.shape(s))
-    allowed = [()] + ([(spec.num_kv_heads,)] if fmt.kind == F.FP8_PER_TENSOR else [])
+    allowed = list(spec.codec.scale_shape(spec.num_kv_heads))
     if shape not in allowed and shape != (1,):
       raise ValueError(f"{name} must be a scalar{' or shape [H]' if len(allowed) > 1 else ''} "
                        f"for cache_dtype={spec.cache_dtype!r}, got shape {shape}")

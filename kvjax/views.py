@@ -39,8 +39,9 @@ def kv_scale_views(pages, spec: KVCacheSpec):
 
 
 def _nvfp4_codec(spec: KVCacheSpec):
-  if not isinstance(spec.codec, _nvfp4.Nvfp4Codec):
-    raise ValueError(f"cache_dtype={spec.cache_dtype!r} is not nvfp4")
+  if spec.codec.content_halves:
+    raise ValueError(f"cache_dtype={spec.cache_dtype!r} is not nvfp4 (its K/V are content "
+                     "halves, not head groups): use kv_views")
   return spec.codec
 
 

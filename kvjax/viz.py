@@ -26,7 +26,7 @@ _BASE_COLORS = {UNUSED: (0.85, 0.85, 0.85), K_DATA: (0.12, 0.40, 0.75),
                 K_SCALE: (0.05, 0.15, 0.35), V_DATA: (0.95, 0.55, 0.10),
                 V_SCALE: (0.55, 0.15, 0.05)}
 
-#: The small geometry the README picture uses: scale bytes stay visible next to data.
+#: The small geometry the docs/formats.md picture uses: scale bytes stay visible next to data.
 PICTURE_GEOMETRY = dict(num_kv_heads=2, head_size=32, block_size=16)
 DEFAULT_PICTURE_FORMATS = (("auto", "NHD"), ("auto", "HND"), ("int8_per_token_head", "NHD"),
                            ("int8_per_token_head", "HND"), ("int4_per_token_head", "HND"),
@@ -193,7 +193,7 @@ def _legend_handles(bmaps, num_heads: int):
 
 
 def default_picture_specs() -> Sequence[KVCacheSpec]:
-  """The specs of the README picture: bf16 NHD/HND, int8 NHD/HND, int4 HND, nvfp4 HND."""
+  """The specs of the docs/formats.md picture: bf16 NHD/HND, int8 NHD/HND, int4 HND, nvfp4 HND."""
   return [KVCacheSpec(cache_dtype=c, layout=lay, **PICTURE_GEOMETRY)
           for c, lay in DEFAULT_PICTURE_FORMATS]
 

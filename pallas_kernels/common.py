@@ -17,6 +17,16 @@ from kvjax import quant
 _U32 = jnp.uint32
 
 
+def gpu_sm_count(default: int) -> int:
+  """Streaming multiprocessors of this process's first GPU (its ``core_count``), or
+  ``default`` where there is no GPU (a kernel lowered for CUDA on a CPU host). Sizes grids."""
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    return default
+  return int(getattr(gpus[0], "core_count", 0) or default)
+
+
 def cdiv(a: int, b: int) -> int:
   """``ceil(a / b)`` for Python ints."""
   return -(-a // b)
@@ -58,7 +68,7 @@ def f32_from_bytes(load_byte):
 def words_view(table, dtype):
   """A 2-D table of one-byte elements ``[R, E]`` viewed as ``dtype`` words ``[R, E / k]``
   (k = its item size; E a multiple of k): an XLA bitcast of the same bytes (no copy,
-  measured on the H200), for kernels that read 2- or 4-byte units stored among byte data
+  checked on a GPU), for kernels that read 2- or 4-byte units stored among byte data
   with one load (float32 scales; uint16 pairs of codes)."""
   r, e = table.shape
   k = np.dtype(dtype).itemsize

@@ -43,8 +43,8 @@ def tile_schedule(query_start_loc, num_tiles: int, bq: int, max_query_len=None):
   starts = ends - tiles
   j = jnp.arange(num_tiles, dtype=jnp.int32)
   # Unrolled binary search: log2(S + 1) gathers and selects that XLA fuses. The default "scan"
-  # is a while loop: on the H200 its small kernels and the gaps between them took 48-94 µs of
-  # a Mosaic GPU prefill call's device time (benchmarks/RESULTS.md, 2026-12-03 21:38).
+  # is a while loop whose small kernels and gaps cost a prefill call tens of µs
+  # (`ragged-schedule-unrolled` in benchmarks/RESULTS.md).
   seq = jnp.searchsorted(ends, j, side="right", method="scan_unrolled").astype(jnp.int32)
   valid = seq < num_seqs
   seq = jnp.minimum(seq, num_seqs - 1)

@@ -22,7 +22,8 @@ COMPILED = os.environ.get("KVJAX_TEST_COMPILED", "") == "1"
 TOY_BACKEND = "toy_dense"
 
 if TOY_BACKEND not in registry.ATTENTION.names():
-  registry.ATTENTION.register(TOY_BACKEND, "toy_backend:unified_attention")
+  registry.ATTENTION.register(TOY_BACKEND, "toy_backend:unified_attention",
+                              supports="toy_backend:supports_attention")
 
 
 def implementations(op: str, but=()):
@@ -85,7 +86,7 @@ def mosaic_gpu_numerics(test):
 def exact_bytes(name: str, interpret: bool) -> bool:
   """Whether an implementation's writes must equal the reference's bytes: always in interpret
   mode; compiled kernels may differ from XLA's compile of the reference on rounding
-  boundaries of the per-token-head quantizers (benchmarks/results/write.md)."""
+  boundaries of the per-token-head quantizers (benchmarks/RESULTS.md, "Writes")."""
   return name == "reference" or interpret
 
 

@@ -34,7 +34,7 @@ H, HQ, D, N, B = 2, 4, 32, 16, 4
 NUM_SLOTS = B * N
 IMPLS = ("reference", "pallas")
 #: The "pallas" implementation's mode: interpret on CPU, compiled on a GPU with
-#: KVJAX_TEST_COMPILED=1 (benchmarks/compiled_tests.py).
+#: KVJAX_TEST_COMPILED=1 (tests/compiled_groups.py).
 INTERPRET = triton_interpret()
 I32_MAX = 2**31 - 1
 

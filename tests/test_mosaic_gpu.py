@@ -233,11 +233,11 @@ def test_register_split_is_checked_and_reaches_the_kernel():
   """The default split is what the kernel always set (two consumers 232, one 240; the
   producer 40); a chosen split reaches both warpgroups' set_max_registers; a split off the
   multiples of 8 or over the launch's registers is named."""
-  from pallas_kernels.mosaic_gpu import kernel as K
-  assert K.default_registers(2) == (232, 40) and K.default_registers(1) == (240, 40)
+  from pallas_kernels.mosaic_gpu import kernel_statics as KS
+  assert KS.default_registers(2) == (232, 40) and KS.default_registers(1) == (240, 40)
   for wgs in (1, 2):
-    consumer, producer = K.default_registers(wgs)
-    assert wgs * consumer + producer <= K.register_budget(wgs)
+    consumer, producer = KS.default_registers(wgs)
+    assert wgs * consumer + producer <= KS.register_budget(wgs)
   spec = kvjax.KVCacheSpec(2, 128, 16, dtype=jnp.bfloat16)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
 
@@ -316,15 +316,16 @@ def test_q_never_lands_in_tiled_shared_memory(layout, group, head_size, num_toke
                                                     (5, 132)])
 def test_persistent_blocks_walk_every_item_once(num_items, num_programs):
   """Block p of the grid walks items p, p + P, ...: together every item exactly once."""
-  from pallas_kernels.mosaic_gpu import kernel as K
-  st = K.KernelStatics(geo=TL.choose_geometry(4, 128, 16, 64), head_size=128, num_kv_heads=1,
+  from pallas_kernels.mosaic_gpu import kernel_statics as KS
+  from pallas_kernels.mosaic_gpu import work_items as WI
+  st = KS.KernelStatics(geo=TL.choose_geometry(4, 128, 16, 64), head_size=128, num_kv_heads=1,
                        layout="NHD", num_blocks=8, max_blocks=4, num_tiles=num_items,
                        causal=True, window=None, soft_cap=None, has_sinks=False, scale=0.1,
                        dtype=np.dtype(jnp.bfloat16), num_programs=num_programs)
   grid = st.grid_size
   assert grid == min(num_programs or num_items, num_items)
   walked = [p + k * grid for p in range(grid)
-            for k in range(int(K.items_of_block(p, grid, st.num_items)))]
+            for k in range(int(WI.items_of_block(p, grid, st.num_items)))]
   assert sorted(walked) == list(range(num_items))
 
 

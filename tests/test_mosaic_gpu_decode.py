@@ -25,8 +25,10 @@ from kvjax.reference import write_kv
 from op_suite import COMPILED, mosaic_gpu_numerics
 from pallas_kernels.mosaic_gpu import attention as MA
 from pallas_kernels.mosaic_gpu import decode_geometry as DG
+from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
-from pallas_kernels.mosaic_gpu.formats import Fp8Operands, PlainOperands, hooks_class
+from pallas_kernels.mosaic_gpu.adapters import ADAPTERS
+from pallas_kernels.mosaic_gpu.formats import Fp8Operands, PlainOperands
 
 BF16 = jnp.bfloat16
 
@@ -50,7 +52,7 @@ def test_group_fits_the_query_columns_exactly_when_every_head_does(num_kv_heads)
 @pytest.mark.parametrize("head_size", [64, 128, 192, 256])
 def test_geometry_fits_two_blocks_per_sm(cache_dtype, head_size):
   spec = kvjax.KVCacheSpec(8, head_size, 16, cache_dtype, dtype=BF16)
-  ops = hooks_class(spec.codec).of(spec, BF16)
+  ops = ADAPTERS.hooks(spec.codec).of(spec, BF16)
   geo = DG.choose_geometry(ops, 4, 16, head_size)
   assert geo.stages >= 2
   if geo.stages > 2:
@@ -92,14 +94,14 @@ def test_decode_reason():
   assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), BF16, 4) is None
   assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8", dtype=BF16), BF16, 4) is None
   assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8_e5m2", layout="HND"), BF16) is None
-  assert "mosaic_gpu is None" in decode_reason(
+  assert "has no Mosaic GPU adapter" in decode_reason(
       kvjax.KVCacheSpec(8, 128, 16, "int8_per_token_head"), BF16)
   assert "head_size=80" in decode_reason(kvjax.KVCacheSpec(8, 80, 16, dtype=BF16), BF16)
   assert "differs" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), jnp.float16)
   assert "float32" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), jnp.float32)
   assert "GQA group 11" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), BF16, 11)
-  assert hooks_class(kvjax.KVCacheSpec(2, 64, 16).codec) is PlainOperands
-  assert hooks_class(kvjax.KVCacheSpec(2, 64, 16, "fp8").codec) is Fp8Operands
+  assert ADAPTERS.hooks(kvjax.KVCacheSpec(2, 64, 16).codec) is PlainOperands
+  assert ADAPTERS.hooks(kvjax.KVCacheSpec(2, 64, 16, "fp8").codec) is Fp8Operands
 
 
 def test_auto_rule_for_decode_batches():
@@ -108,7 +110,7 @@ def test_auto_rule_for_decode_batches():
                                   max_blocks=256, max_query_len=mql)
   plain = kvjax.KVCacheSpec(8, 128, 16, dtype=BF16)
   why = MA.prefer_attention(plain, BF16, call(64, 64, 1))
-  assert (why is None) == MA.AUTO_DECODE
+  assert (why is None) == MT.AUTO_DECODE
   int8 = kvjax.KVCacheSpec(8, 128, 16, "int8_per_token_head")
   assert "decode batch" in MA.prefer_attention(int8, BF16, call(64, 64, 1))
   # not a decode batch: the ragged kernel's rule

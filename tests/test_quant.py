@@ -104,7 +104,7 @@ def test_int4_matches_numpy(rng, jitted):
   x[1, 1] = 2.5                                        # a constant row: scale 1e-6
   f = jax.jit(quant.quantize_int4) if jitted else quant.quantize_int4
   # on the CPU device: the formula is checked as XLA-CPU compiles it (XLA-GPU's compile of it
-  # may round a code in ~1 of 250,000 differently, benchmarks/results/write.md; the kernels
+  # may round a code in ~1 of 250,000 differently, benchmarks/RESULTS.md, "Writes"; the kernels
   # are checked against the CPU reference)
   packed, scale = f(jax.device_put(x, jax.devices("cpu")[0]))
   q, s, zp = _int4_numpy(x)

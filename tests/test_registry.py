@@ -95,7 +95,7 @@ def test_mosaic_gpu_auto_rule():
   """The measured rule: Mosaic GPU for static max_query_len >= 128, a GQA group it packs,
   and on quantized caches only where the plain copy of the pages pays."""
   from pallas_kernels.mosaic_gpu import prefer_attention
-  from pallas_kernels.mosaic_gpu.ragged_attention import AUTO_MIN_QUERY_LEN
+  from pallas_kernels.mosaic_gpu.tuning import AUTO_MIN_QUERY_LEN
 
   def call(mql, tokens=16384, hq=32, seqs=4, blocks=256):
     return registry.AttentionCall(num_tokens=tokens, num_q_heads=hq, num_seqs=seqs,

@@ -21,7 +21,8 @@ import kvjax
 from kvjax import formats as F
 from kvjax.reference import unified_attention as ref_attention
 from pallas_kernels.triton.decode import paged_decode_attention
-from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits
+from pallas_kernels.triton.decode_config import DecodeConfig
+from pallas_kernels.triton.tuning import choose_num_splits
 from kv_testing import jit_reference_write
 from op_suite import triton_interpret
 
@@ -188,9 +189,9 @@ def test_codes_as_words_or_bytes(rng, cache_dtype, layout, d, pairs):
     ("bfloat16", "NHD", 128, "RowFormat")])
 def test_decode_reads_codes_as_words_where_it_can(cache_dtype, layout, d, hooks):
   """The hooks pair_codes picks (what test_codes_as_words_or_bytes runs), and their parts."""
-  from pallas_kernels.triton.formats import TileFormat
+  from pallas_kernels.triton.adapters import tile_format
   spec = kvjax.KVCacheSpec(2, d, 16, cache_dtype, layout=layout)
-  tf = TileFormat.of(spec, jnp.bfloat16).paired(ptx=False)
+  tf = tile_format(spec, jnp.bfloat16).paired(ptx=False)
   assert type(tf).__name__ == hooks
   cols = np.concatenate([np.asarray(c)[np.asarray(m)]
                          for c, m in (tf.part_cols(j) for j in range(tf.num_parts))])

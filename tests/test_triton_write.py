@@ -3,7 +3,7 @@ lowering, and the arithmetic it shares with the reference.
 
 The write case suite (every format, every implementation) is test_op_write.py. The kernel
 calls here run in interpret mode on CPU and compiled on a GPU with ``KVJAX_TEST_COMPILED=1``
-(``benchmarks/compiled_tests.py``), except the CPU properties (in-place donation in interpret
+(``tests/compiled_groups.py``), except the CPU properties (in-place donation in interpret
 mode, the CUDA lowering).
 """
 import jax
@@ -57,9 +57,9 @@ def test_launch_configs_store_the_same_bytes(rng, cache_dtype):
 def test_word_and_byte_stores_write_the_reference_bytes(rng, cache_dtype, head_size, words):
   """Row formats whose segments sit at multiples of 4 bytes are stored as uint32 words, the
   others byte by byte: both store exactly the reference's bytes (poisoned cache, padding)."""
-  from pallas_kernels.triton.formats import TileFormat
+  from pallas_kernels.triton.adapters import tile_format
   spec = KVCacheSpec(3, head_size, 16, cache_dtype, "NHD")
-  assert TileFormat.of(spec).write_words == words
+  assert tile_format(spec).write_words == words
   cache = poisoned_cache(rng, spec, NUM_BLOCKS)
   t = 21
   slots = _slots(rng, spec, t, pad=3)
@@ -158,12 +158,12 @@ def test_writers_use_no_nan_dropping_float_min_or_max(cache_dtype, layout, head_
 
   (int4 keeps its float row min / max: its rows arrive Hadamard-rotated, and one NaN makes
   every rotated value NaN, so they stay NaN; :func:`kvjax.quant.int4_scale`.)"""
-  from benchmarks import triton_sass as ts
+  from triton_ir import triton_kernels
   spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)
   c = jax.ShapeDtypeStruct(spec.physical_shape(8), spec.storage_dtype)
   kv = jax.ShapeDtypeStruct((12, 2, head_size), spec.dtype)
   ks = 0.5 if spec.format.has_tensor_scales else None
-  (kernel,) = ts.triton_kernels(
+  (kernel,) = triton_kernels(
       lambda c, k, v, s: cu.write_kv(c, k, v, s, spec, k_scale=ks, v_scale=ks), c, kv, kv,
       jax.ShapeDtypeStruct((12,), jnp.int32))
   for op in ("arith.maxnumf", "arith.minnumf"):

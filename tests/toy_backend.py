@@ -2,14 +2,28 @@
 
 "toy_dense": every sequence's pages dequantized at once and attended with dense masked
 softmax (plain jnp, vectorized over tokens: no per-token map like the reference). It runs
-anywhere and supports every format with a codec; the op suites register it with
-``registry.ATTENTION.register("toy_dense", "toy_backend:unified_attention")`` (after the
-reference, so ``auto`` never picks it).
+anywhere. Its adapter table has one row, matching every codec: the codec's own reference
+dequantize is its per-format code. The op suites register it with
+``registry.ATTENTION.register("toy_dense", "toy_backend:unified_attention",
+supports="toy_backend:supports_attention")`` (after the reference, so ``auto`` never picks
+it).
 """
 import jax
 import jax.numpy as jnp
 
 from kvjax import ragged_batch as RB
+from kvjax.adapters import Adapter, AdapterTable
+
+ADAPTERS = AdapterTable("toy_dense", (
+    Adapter("every codec (pages dequantized by the codec)", lambda codec: True,
+            lambda pages, spec, k_scale, v_scale: spec.codec.dequantize(pages, spec, k_scale,
+                                                                         v_scale)),
+))
+
+
+def supports_attention(spec, q_dtype):
+  del q_dtype
+  return ADAPTERS.reason(spec)
 
 
 def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table, scale,
@@ -21,7 +35,8 @@ def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table,
   max_blocks = block_table.shape[1]
   qsl, sl = RB.clamp_metadata(query_start_loc, seq_lens, num_tokens=t, capacity=max_blocks * n)
   seq, pos, real = RB.token_positions(qsl, sl, t, max_query_len)
-  k, v = spec.codec.dequantize(cache, spec, k_scale, v_scale)        # [B, N, H, D]
+  dequantize = ADAPTERS.hooks(spec.codec)
+  k, v = dequantize(cache, spec, k_scale, v_scale)                   # [B, N, H, D]
   blocks = RB.clamp_blocks(block_table, cache.shape[0])[seq]         # [T, M]
   k = k[blocks].reshape(t, max_blocks * n, h, d)
   v = v[blocks].reshape(t, max_blocks * n, h, d)

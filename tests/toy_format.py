@@ -2,8 +2,10 @@
 
 "toy_scaled_bf16": bfloat16 storage of ``x / k_scale`` (saturated to bf16's finite range),
 read back as ``stored * k_scale``: a new kind with its own codec. Its facts (bf16 rows, a
-per-tensor scale) are ones the Triton row hooks already understand, so the kernels run it
-with no kernel code: the codec names them. The table line lives in the op suites' fixture
+per-tensor scale) are ones the Triton adapter table's row adapter already matches, so the
+Triton kernels run it with no kernel code and no line outside this file and the table line;
+the Mosaic GPU and Mosaic TPU tables match no row for it, so ``explain`` says why they pass
+it over. The table line lives in the op suites' fixture
 (``CACHE_FORMATS[TOY.name] = TOY``), so other tests never see the format.
 """
 import dataclasses
@@ -19,7 +21,6 @@ from kvjax.formats import CacheFormat
 class ToyScaledCodec(Codec):
   kind = "toy_scaled"
   has_tensor_scales = True
-  triton = "pallas_kernels.triton.formats:RowFormat"
 
   def encode_side(self, x, global_scale, spec):
     s = jnp.asarray(1.0 if global_scale is None else global_scale, jnp.float32)

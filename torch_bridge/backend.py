@@ -22,20 +22,12 @@ argument, so every layer runs the same compiled program, in place (:mod:`kvjax.l
 A layer's slice (``kv[l]`` of the logical view) is not compact and is refused, as is one
 block of a layered cache (``kv[:, b]``), which looks like a cache of L blocks.
 
-Host cost per call (what the facade adds to the jitted call): long-lived tensors are
-imported once and kept by identity (the cache, with its checks done on first use and an
-O(1) check of its storage after; the metadata of a step, checked, padded and imported on
-its first layer, and on CUDA without ``check_cuda_inputs`` the decision not to read it
-made once too; an int32 slot mapping; on CUDA the donated output, whose previous result is
-its view). What a CUDA call still does is the crossing itself: torch's current stream read
-once, one event recorded on it and waited on by JAX's stream, fresh imports after it (the
-query for ``forward``; key and value for ``do_kv_cache_update``) of which the first carries
-the event into the JAX computation, and one export of the result to torch's stream, both
-through jaxlib's DLPack entry points, not the Python ``__dlpack__`` protocol. A
-non-contiguous query / key / value is copied contiguous before the event, so the copy is
-ordered too. ``benchmarks/bench_facade.py`` measures that floor (the crossing alone around
-the same jitted call) next to the facade. A kept view aliases torch's memory, so torch's
-in-place writes into a kept tensor are seen.
+Host cost per call: long-lived tensors (the cache, a step's metadata, an int32 slot
+mapping, on CUDA the donated output) are checked and imported once and kept by identity
+(:mod:`torch_bridge.kept`); a kept view aliases torch's memory, so torch's in-place writes
+into it are seen. What a CUDA call still does is the crossing itself: one event from
+torch's current stream to JAX's, fresh imports of the query (or key and value), one export
+of the result to torch's stream (``benchmarks/bench_facade.py`` measures it).
 
 Compiled programs: one per (token count, sequence bucket, block-table width bucket,
 query-length bucket) for ``forward`` and one per key row count for
@@ -50,7 +42,6 @@ follows JAX's setting (``jax.default_matmul_precision`` / ``JAX_DEFAULT_MATMUL_P
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import warnings
 from typing import Optional
@@ -68,6 +59,8 @@ from torch_bridge import dtypes
 from torch_bridge import interop
 from torch_bridge import jitted
 from torch_bridge import layout as L
+from torch_bridge.kept import (KEEP_CACHES, KEEP_OUTPUT_BYTES, KEEP_OUTPUTS, KeptCache,
+                               check_layer, host_bytes)
 from torch_bridge.metadata import PagedAttentionMetadata
 
 
@@ -102,8 +95,8 @@ class PagedAttentionBackend:
     output_mode: how ``forward`` fills ``output`` on CUDA: "donate" (default:
       ``output`` is imported and donated, XLA writes the result straight into it; a
       non-contiguous ``output`` falls back to copying) or "copy" (a device copy of JAX's
-      result, ordered on torch's stream). Donation measured cheaper on the H200
-      (benchmarks/results/facade.md). CPU always copies.
+      result, ordered on torch's stream). Donation is the cheaper of the two
+      (benchmarks/RESULTS.md, "Torch facade"). CPU always copies.
   """
 
   kv_cache_layout = "NHD"   # what get_kv_cache_stride_order uses when called on the class
@@ -149,7 +142,7 @@ class PagedAttentionBackend:
     self._tensor_scales = self.spec.format.has_tensor_scales
     self._token_shape = {}   # heads -> (heads, D)
     self._crossings = {}
-    self._caches = {}        # cache tensor key -> _Cache
+    self._caches = {}        # cache tensor key -> KeptCache
     self._outs = {}          # output tensor key -> the donated result aliasing it (CUDA)
     self._consts = {}        # (device, value) -> JAX scalar / sinks array
     self._attn = {}          # (max_query_len bucket, causal, donate, cuda, precision) -> fn
@@ -184,7 +177,7 @@ class PagedAttentionBackend:
       cx = self._crossings[device] = interop.Crossing(device, self.crossing_mode)
     return cx
 
-  def _cache(self, kv_cache, layer) -> "_Cache":
+  def _cache(self, kv_cache, layer) -> "KeptCache":
     """The cache entry of ``kv_cache``: validated once per tensor identity (address, shape,
     strides, dtype); its storage's size checked every call (O(1)), and ``layer`` against it.
     """
@@ -199,7 +192,7 @@ class PagedAttentionBackend:
           checks.check_storage(kv_cache, need=entry.need)   # raises, naming the sizes
         if (layer is None) != (entry.num_layers is None) or layer is not None and not (
             type(layer) is int and 0 <= layer < entry.num_layers):
-          _check_layer(layer, entry.num_layers, kv_cache)     # raises
+          check_layer(layer, entry.num_layers, kv_cache)     # raises
         return entry
       checks.check_storage(kv_cache)
     phys = L.physical_tensor(kv_cache, self.spec)
@@ -207,15 +200,15 @@ class PagedAttentionBackend:
       L.refuse_part_of_storage(phys)
     phys = D.storage_typed(phys, self.spec)
     L.check_shareable(phys)
-    entry = _Cache(phys, checks.storage_bytes_needed(kv_cache), phys.shape[0],
+    entry = KeptCache(phys, checks.storage_bytes_needed(kv_cache), phys.shape[0],
                    phys.shape[self.spec.layer_axis] if phys.ndim == 5 else None)
-    _check_layer(layer, entry.num_layers, kv_cache)
-    if len(self._caches) >= _KEEP_CACHES:
+    check_layer(layer, entry.num_layers, kv_cache)
+    if len(self._caches) >= KEEP_CACHES:
       self._caches.pop(next(iter(self._caches)))      # the oldest: a cache no longer in use
     self._caches[key] = entry
     return entry
 
-  def _cache_array(self, cx, entry: "_Cache") -> jax.Array:
+  def _cache_array(self, cx, entry: "KeptCache") -> jax.Array:
     """The JAX view of the cache (kept in its entry; after a donated write, the result)."""
     arr = entry.arr
     if arr is None or arr.is_deleted():
@@ -335,7 +328,7 @@ class PagedAttentionBackend:
     src = np.asarray(new).view(np.uint8)           # zero-copy: JAX's CPU buffer
     dst = entry.host
     if dst is None or dst.shape != src.shape:
-      dst = entry.host = _host_bytes(entry.phys).reshape(src.shape)
+      dst = entry.host = host_bytes(entry.phys).reshape(src.shape)
     inner = () if layer is None else (slice(None),) * (self.spec.layer_axis - 1) + (layer,)
     for page in pages.tolist():
       index = (page,) + inner
@@ -437,8 +430,8 @@ class PagedAttentionBackend:
         out.copy_(cx.to_torch(res, stream))
         return output
       self._out_checked = True
-    if out.numel() * out.element_size() <= _KEEP_OUTPUT_BYTES:
-      if len(self._outs) >= _KEEP_OUTPUTS:
+    if out.numel() * out.element_size() <= KEEP_OUTPUT_BYTES:
+      if len(self._outs) >= KEEP_OUTPUTS:
         self._outs.pop(next(iter(self._outs)))
       self._outs[okey] = res             # it keeps out's memory alive: a small bounded set
     cx.publish(res, stream)
@@ -450,49 +443,3 @@ class PagedAttentionBackend:
       cx.clear()
     self._caches.clear()
     self._outs.clear()
-
-
-#: Cache tensors a backend keeps validated and imported (one model's layers, whatever their
-#: number, on one backend).
-_KEEP_CACHES = 512
-#: Donated outputs kept for reuse (CUDA): at most this many, each at most this large
-#: (a kept result holds its output tensor's memory).
-_KEEP_OUTPUTS, _KEEP_OUTPUT_BYTES = 32, 1 << 20
-
-
-class _Cache:
-  """A cache tensor the backend has validated: its storage-typed physical tensor, the
-  storage bytes it addresses, (B, L) (L None for one layer), the JAX view (None until
-  imported; after a donated write, the result), whether in-place writing was verified and
-  (CPU, after a first write) its bytes as a numpy uint8 array over the same memory."""
-  __slots__ = ("phys", "need", "num_blocks", "num_layers", "arr", "inplace_checked", "host")
-
-  def __init__(self, phys, need, num_blocks, num_layers):
-    self.phys, self.need, self.num_blocks, self.num_layers = phys, need, num_blocks, num_layers
-    self.arr, self.inplace_checked, self.host = None, False, None
-
-
-def _host_bytes(phys: torch.Tensor) -> np.ndarray:
-  """The bytes of a contiguous CPU tensor as a writable flat numpy uint8 array over the same
-  memory. Built from the address, not ``Tensor.numpy()``, which would make the storage
-  non-resizable for good (the storage check must keep seeing a resize as what it is)."""
-  nbytes = phys.numel() * phys.element_size()
-  return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(phys.data_ptr()))
-
-
-def _check_layer(layer, num_layers, kv_cache):
-  """``layer`` pairs with the cache: None for one layer's cache, else an int in [0, L)."""
-  shape = tuple(kv_cache.shape)
-  if num_layers is None:
-    if layer is not None:
-      raise ValueError(f"layer={layer!r} was given, but kv_cache of shape {shape} is one "
-                       "layer's 4-D cache: layer= goes with a layered (cross-layer) cache only")
-    return
-  if layer is None:
-    raise ValueError(f"kv_cache of shape {shape} is a layered (cross-layer) cache of "
-                     f"{num_layers} layers: pass the layer index, layer=")
-  if type(layer) is not int:
-    raise TypeError(f"layer must be a Python int, got {type(layer).__name__}")
-  if not 0 <= layer < num_layers:
-    raise ValueError(f"layer={layer} is outside [0, {num_layers}): kv_cache holds {num_layers} "
-                     "layers")

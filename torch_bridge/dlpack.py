@@ -64,13 +64,13 @@ def to_torch(cache, spec: KVCacheSpec, *, as_uint8: Optional[bool] = None) -> to
     stream waits for the array to be ready (DLPack stream protocol).
   """
   _check_jax_cache(cache, spec)
-  if as_uint8 is not None and not dtypes.is_fp8_per_tensor(spec):
+  if as_uint8 is not None and not dtypes.stores_fp8(spec):
     raise ValueError(f"as_uint8 applies to fp8 per-tensor caches, not {spec.cache_dtype!r}")
   phys = torch.from_dlpack(cache)
   if not phys.is_contiguous():
     raise ValueError("the JAX cache array has a non-default memory layout; pass the physical "
                      "array in row-major layout")
-  if dtypes.is_fp8_per_tensor(spec) and as_uint8 is not False:
+  if dtypes.stores_fp8(spec) and as_uint8 is not False:
     phys = phys.view(torch.uint8)
   order = spec.stride_order(phys.ndim == 5)
   logical = phys.permute(tuple(order.index(i) for i in range(len(order))))

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from kvjax import formats as F
 from kvjax.spec import KVCacheSpec
 
 _TORCH_OF_NUMPY = {
@@ -47,13 +46,15 @@ def numpy_dtype(dtype) -> np.dtype:
   return np.dtype(dtype)
 
 
-def is_fp8_per_tensor(spec: KVCacheSpec) -> bool:
-  return spec.format.kind == F.FP8_PER_TENSOR
+def stores_fp8(spec: KVCacheSpec) -> bool:
+  """Whether the cache stores fp8 elements (vLLM holds such a cache as uint8)."""
+  dt = spec.storage_dtype
+  return dt.itemsize == 1 and jnp.issubdtype(dt, jnp.floating)
 
 
 def cache_torch_dtype(spec: KVCacheSpec, as_uint8: bool = True) -> torch.dtype:
   """torch dtype of the cache tensor: fp8 per-tensor as uint8 (vLLM's choice) unless asked."""
-  if is_fp8_per_tensor(spec) and as_uint8:
+  if stores_fp8(spec) and as_uint8:
     return torch.uint8
   return torch_dtype(spec.storage_dtype)
 
@@ -61,4 +62,4 @@ def cache_torch_dtype(spec: KVCacheSpec, as_uint8: bool = True) -> torch.dtype:
 def accepted_cache_dtypes(spec: KVCacheSpec):
   """torch dtypes a cache tensor of ``spec`` may have: the storage dtype, plus uint8 for fp8."""
   own = torch_dtype(spec.storage_dtype)
-  return (own, torch.uint8) if is_fp8_per_tensor(spec) else (own,)
+  return (own, torch.uint8) if stores_fp8(spec) else (own,)

@@ -87,8 +87,9 @@ def nvfp4_split_data_scale(side: torch.Tensor):
 def nvfp4_sides(tensor, spec: KVCacheSpec):
   """(K side, V side) uint8 ``(B, H, N, D/2 + D/16)`` views: head slots ``[:H]`` and ``[H:]``."""
   logical = _logical_4d(tensor, spec)
-  if spec.format.kind != "nvfp4":
-    raise ValueError(f"cache_dtype={spec.cache_dtype!r} is not nvfp4")
+  if spec.codec.content_halves:
+    raise ValueError(f"cache_dtype={spec.cache_dtype!r} keeps K and V in content halves, not "
+                     "head groups (nvfp4): use kv_views")
   h = spec.num_kv_heads
   return logical[:, :h], logical[:, h:]
 

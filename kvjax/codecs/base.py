@@ -8,12 +8,11 @@ A codec owns, for its format kind:
   the head dim (the identity but for int4 per token-head, which stores vLLM's
   Hadamard-rotated rows); the public ops apply it around every implementation;
 - the reference (pure jnp) encode / scatter / dequantize that ``kvjax.reference`` runs, on
-  values in the stored frame;
-- the kernel-backend hooks: ``triton`` names the class of in-kernel tile loaders,
-  dequantizers and encoders the Triton kernels call (``pallas_kernels.triton.formats``),
-  ``mosaic_gpu`` the class that turns copied K/V tiles into wgmma operands
-  (``pallas_kernels.mosaic_gpu.formats``). A Mosaic TPU backend that needs per-format code
-  adds a ``mosaic_tpu`` attribute of the same form here.
+  values in the stored frame.
+
+A codec names no kernel backend: each backend matches codecs by these facts in its own
+adapter table (:mod:`kvjax.adapters`), so a new format whose facts a backend already
+understands runs there with no backend code.
 
 Row formats (every kind but nvfp4) store one row of ``C`` elements per (token, head),
 ``[K data | K scale | V data | V scale]`` with the scale parts empty when the format has no
@@ -61,26 +60,20 @@ class Codec:
   #: Why a layered (cross-layer) array cannot hold the format; None = it can (every row
   #: format: a row is self-contained, wherever the layer's pages sit).
   no_layered_reason: ClassVar[Optional[str]] = None
-  #: ``"module:Class"`` of the Triton hooks; None = the Triton kernels cannot run it.
-  triton: ClassVar[Optional[str]] = None
-  #: ``"module:Class"`` of the Mosaic GPU hooks (``pallas_kernels.mosaic_gpu.formats``); None
-  #: = the Mosaic GPU kernels read the format through a plain copy of its pages, or not at all.
-  mosaic_gpu: ClassVar[Optional[str]] = None
   #: The head-dim rotation of the stored values (``kvjax.write_kv`` rotates K/V before any
   #: implementation encodes them; attention and reads rotate q and un-rotate results).
   rotation: ClassVar[Rotation] = NO_ROTATION
 
   # -- facts and geometry ------------------------------------------------------------------------
-  def hooks(self, backend: str):
-    """The hook class this codec names for ``backend`` (``"triton"``, ``"mosaic_gpu"``),
-    imported now; None when it names none."""
-    from kvjax.registry import load_target   # noqa: PLC0415 (kvjax.registry imports jax only)
-    target = getattr(self, backend)
-    return None if target is None else load_target(target)
-
   @property
   def is_quantized(self) -> bool:
     return self.quant is not None
+
+  @property
+  def is_plain(self) -> bool:
+    """Whether values are stored as they are (cast to the storage dtype), with no scale of
+    any kind: a kernel for plain caches reads the pages directly."""
+    return self.quant is None and not self.has_tensor_scales and not self.has_row_scales
 
   def tensor_scales(self, k_scale, v_scale, num_heads: int):
     """float32 ``[2, H]``: the K and V global scale of each KV head, ones when the format
@@ -106,6 +99,12 @@ class Codec:
   def logical_shape(self, num_blocks, num_kv_heads, block_size, head_size, itemsize):
     """vLLM's logical cache shape ``(B, H, N, C)``."""
     return (num_blocks, num_kv_heads, block_size, 2 * self.padded_dim(head_size, itemsize))
+
+  def head_segments(self, spec) -> Tuple[int, ...]:
+    """Bytes one KV head holds in each segment of an HND page, in page order. A page is its
+    segments one after the other, each holding every head's part in head order: one segment
+    of ``N`` whole rows a head for row formats (what a transfer that slices heads reads)."""
+    return (spec.block_size * spec.content_dim * spec.itemsize,)
 
   def scale_shape(self, num_heads: int) -> Tuple[Tuple[int, ...], ...]:
     """Shapes k_scale / v_scale may take (when :attr:`has_tensor_scales`)."""

@@ -13,8 +13,6 @@ class Fp8PerTensorCodec(Codec):
   kind = "fp8_per_tensor"
   has_tensor_scales = True
   per_head_tensor_scales = True
-  triton = "pallas_kernels.triton.formats:RowFormat"
-  mosaic_gpu = "pallas_kernels.mosaic_gpu.formats:Fp8Operands"
 
   def encode_side(self, x, global_scale, spec):
     return quant.quantize_fp8_per_tensor(x, global_scale, spec.storage_dtype)

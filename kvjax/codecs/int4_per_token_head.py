@@ -24,7 +24,6 @@ class Int4PerTokenHeadCodec(PerTokenHeadCodec):
   """Packed uint8 data ``[D/2]`` (low nibble = even element), stored scale with its zp.
 
   Its kind stays "per_token_head" (a per-token-head format with int4 values)."""
-  triton = "pallas_kernels.triton.formats:Int4Format"
   rotation = HADAMARD
 
   def check_head_size(self, head_size: int):

@@ -68,7 +68,6 @@ class Nvfp4Codec(Codec):
   content_halves = False
   no_layered_reason = ("each side's [data | scales] split spans a page's whole (heads, tokens) "
                        "block, which a layered array interleaves with the other layers")
-  triton = "pallas_kernels.triton.formats:Nvfp4Format"
 
   def check_head_size(self, head_size: int):
     if head_size % 16:
@@ -82,6 +81,13 @@ class Nvfp4Codec(Codec):
 
   def logical_shape(self, num_blocks, num_kv_heads, block_size, head_size, itemsize):
     return (num_blocks, 2 * num_kv_heads, block_size, self.padded_dim(head_size, itemsize))
+
+  def head_segments(self, spec):
+    """K data, K scales, V data, V scales: each side is all heads' data rows, then all heads'
+    scale rows (bytes: N * D/2 and N * D/16 a head)."""
+    n = spec.block_size
+    data, scales = n * spec.head_size // 2, n * spec.num_scales_per_row
+    return (data, scales, data, scales)
 
   # -- reference -----------------------------------------------------------------------------------
   def encode(self, key, value, spec, k_scale=None, v_scale=None):

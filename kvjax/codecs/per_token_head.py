@@ -18,7 +18,6 @@ class PerTokenHeadCodec(Codec):
   """int8 / fp8 data with one float32 scale per (token, head) side row."""
   kind = "per_token_head"
   has_row_scales = True
-  triton = "pallas_kernels.triton.formats:RowFormat"
 
   def check_head_size(self, head_size: int):
     if head_size % 2:

@@ -12,8 +12,6 @@ from kvjax.codecs.base import Codec
 class PlainCodec(Codec):
   """Values stored as they are (cast to the storage dtype); read back as float32."""
   kind = "plain"
-  triton = "pallas_kernels.triton.formats:RowFormat"
-  mosaic_gpu = "pallas_kernels.mosaic_gpu.formats:PlainOperands"
 
   def encode_side(self, x, global_scale, spec):
     del global_scale

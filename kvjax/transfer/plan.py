@@ -21,7 +21,6 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from kvjax import formats as F
 from kvjax import spec as S
 from kvjax.transfer import topology as T
 
@@ -64,22 +63,17 @@ def head_runs(tp_rank: int, tp_size: int, remote_tp_size: int,
 
 def _runs_to_reads(runs: Sequence[HeadRun], spec: S.KVCacheSpec, h_local: int,
                    h_remote: int) -> List[Read]:
-  n, itemsize = spec.block_size, spec.itemsize
-  if spec.format.kind == F.NVFP4:
-    d2, sc = spec.head_size // 2, spec.num_scales_per_row
-    f = d2 + sc
-    reads = []
-    for run in runs:
-      for side in range(2):
-        r_side, l_side = side * h_remote * n * f, side * h_local * n * f
-        reads.append(Read(run.remote_rank, r_side + run.remote_head * n * d2, run.count * n * d2,
-                          l_side + run.local_head * n * d2))
-        reads.append(Read(run.remote_rank, r_side + h_remote * n * d2 + run.remote_head * n * sc,
-                          run.count * n * sc, l_side + h_local * n * d2 + run.local_head * n * sc))
-    return reads
-  head_bytes = n * spec.content_dim * itemsize
-  return [Read(r.remote_rank, r.remote_head * head_bytes, r.count * head_bytes,
-               r.local_head * head_bytes) for r in runs]
+  """One read per (head run, page segment) (:meth:`kvjax.codecs.Codec.head_segments`): a
+  segment holds every head's part in head order, so a run of heads is one byte run in it."""
+  segments = spec.codec.head_segments(spec)
+  reads = []
+  for run in runs:
+    r_start = l_start = 0
+    for head_bytes in segments:
+      reads.append(Read(run.remote_rank, r_start + run.remote_head * head_bytes,
+                        run.count * head_bytes, l_start + run.local_head * head_bytes))
+      r_start, l_start = r_start + h_remote * head_bytes, l_start + h_local * head_bytes
+  return reads
 
 
 def check_covers(reads: Sequence[Read], local_page_bytes: int, remote_page_bytes: int) -> None:

@@ -10,14 +10,8 @@ from __future__ import annotations
 
 from kvjax import ragged_batch as RB
 from pallas_kernels.mosaic_gpu import ragged_attention as R
+from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
-
-#: Whether ``auto`` takes the decode kernel for the decode batches it can run (else the Triton
-#: decode kernel runs them). Measured on the H200 at the five decode shapes (benchmarks/
-#: RESULTS.md, "Decode"): 0.88-1.05x the Triton decode kernel's speed on bf16, 0.63-0.83x on
-#: fp8 since the Triton kernel reads one-byte codes as pairs: no win.
-AUTO_DECODE = False
-
 
 def supports_attention(spec, q_dtype):
   """Registry hook: what the ragged kernel takes (every format it reads directly or through a
@@ -36,7 +30,7 @@ def _decode_kernel_reason(spec, q_dtype, num_tokens, num_seqs, num_q_heads, max_
 def prefer_attention(spec, q_dtype, call):
   """The auto rule (registry ``prefer``): None when ``auto`` should take Mosaic GPU.
 
-  Decode batches the decode kernel runs: where :data:`AUTO_DECODE` says it is faster than
+  Decode batches the decode kernel runs: where :data:`.tuning.AUTO_DECODE` says it is faster than
   the Triton decode kernel. Other batches: the ragged kernel's rule
   (:func:`.ragged_attention.prefer_attention`)."""
   if call is not None and RB.is_decode_batch(call.num_tokens, call.num_seqs,
@@ -44,7 +38,7 @@ def prefer_attention(spec, q_dtype, call):
     why = decode_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
     if why is not None:
       return f"decode batch: {why}"
-    return None if AUTO_DECODE else ("decode batch: the Triton decode kernel is faster "
+    return None if MT.AUTO_DECODE else ("decode batch: the Triton decode kernel is faster "
                                      "(measured)")
   return R.prefer_attention(spec, q_dtype, call)
 

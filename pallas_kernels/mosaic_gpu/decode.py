@@ -20,7 +20,8 @@ from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.common import cdiv, merge_splits
 from pallas_kernels.mosaic_gpu import decode_geometry as DG
-from pallas_kernels.mosaic_gpu.formats import hooks_class
+from pallas_kernels.mosaic_gpu import tuning as MT
+from pallas_kernels.mosaic_gpu.adapters import ADAPTERS
 
 _LN2 = math.log(2.0)
 
@@ -28,10 +29,9 @@ _LN2 = math.log(2.0)
 def decode_reason(spec: KVCacheSpec, q_dtype, group: Optional[int] = None) -> Optional[str]:
   """Why the decode kernel cannot take this spec / q dtype / GQA group (None: it can).
   Device-free."""
-  cls = hooks_class(spec.codec)
+  cls = ADAPTERS.hooks(spec.codec)
   if cls is None:
-    return (f"cache_dtype={spec.cache_dtype!r} has no Mosaic GPU decode hooks (its codec's "
-            "mosaic_gpu is None)")
+    return ADAPTERS.reason(spec)
   why = cls.reason(spec, q_dtype)
   if why is not None:
     return why
@@ -69,7 +69,7 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   reason = decode_reason(spec, q.dtype, g)
   if reason is not None:
     raise ValueError(f"Mosaic GPU decode: {reason}")
-  ops = hooks_class(spec.codec).of(spec, q.dtype)
+  ops = ADAPTERS.hooks(spec.codec).of(spec, q.dtype)
   geo = geometry or DG.choose_geometry(ops, g, spec.block_size, d)
   if geo.smem_bytes(ops) > DG.SMEM_BUDGET:
     raise ValueError(f"geometry {geo} needs {geo.smem_bytes(ops)} bytes of shared memory; "
@@ -88,7 +88,8 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   bt = jnp.asarray(block_table, jnp.int32)[seq_c].reshape(-1)
   scales = spec.codec.tensor_scales(k_scale, v_scale, h)               # [2, H]
   factors = (jnp.asarray(scale, jnp.float32) * math.log2(math.e)) * scales[0]
-  splits = num_splits or DG.num_splits_for(num_rows, h, cdiv(capacity, geo.block_kv))
+  splits = num_splits or DG.num_splits_for(num_rows, h, cdiv(capacity, geo.block_kv),
+                                           MT.num_sms())
   st = DK.DecodeStatics(
       geo=geo, ops=ops, num_kv_heads=h, layout=spec.layout,
       num_blocks=spec.num_blocks_of(cache), max_blocks=max_blocks, num_splits=int(splits),

@@ -1,7 +1,8 @@
 """The Mosaic GPU kernels' per-format hooks: how K/V tiles copied from the cache become wgmma
 operands.
 
-Each codec names its hook class here (``Codec.mosaic_gpu``); the kernels are format-blind.
+The Mosaic GPU adapter table (:mod:`.adapters`) gives each codec its hook class from the
+codec's facts; the kernels are format-blind.
 A hook object is static (frozen, hashable) and answers:
 
 - :meth:`Operands.landing` -- the shared-memory slots one side's TMA copies land in
@@ -33,10 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.common import SIXTEEN_BIT, as_operand, compute_dtype
-
-def hooks_class(codec):
-  """The hook class a codec names, or None when it has no Mosaic GPU hooks."""
-  return codec.hooks("mosaic_gpu")
+from pallas_kernels.mosaic_gpu.tuning import FP8_LANDING_SWIZZLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +126,8 @@ class PlainOperands(Operands):
 class Fp8Operands(Operands):
   """fp8 per tensor (e4m3 / e5m2): K becomes float16 in registers, V on its way to the V
   buffer."""
-  #: Bytes land with the 32-byte swizzle: with the 128-byte one (fewer TMA copies, but the
-  #: 4-byte upcast loads of its tiles) a decode step took 1.3x as long on the H200 (64 x 4096,
-  #: 327-337 vs 238-248 us; benchmarks/RESULTS.md).
-  landing_swizzle: ClassVar[Optional[int]] = 32
+  #: Bytes land with the swizzle the upcast loads read fastest (:mod:`.tuning`).
+  landing_swizzle: ClassVar[Optional[int]] = FP8_LANDING_SWIZZLE
   k_in_registers: ClassVar[bool] = True
 
   def _to_f16(self, slot_ref):

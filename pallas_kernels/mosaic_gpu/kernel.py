@@ -1,8 +1,8 @@
 """The Mosaic GPU (Hopper) kernel body of the ragged paged attention.
 
 Work items are (KV head, query tile) pairs (:mod:`pallas_kernels.mosaic_gpu.tiles`), each
-sequence's tiles from the one with the most keys down (:func:`_work_item`). With
-``num_programs`` blocks (one per SM by default, ``ragged_attention.default_programs``) block
+sequence's tiles from the one with the most keys down (:mod:`.work_items`). With
+``num_programs`` blocks (one per SM by default, :func:`.tuning.num_programs`) block
 ``p`` walks items ``p, p + P, p + 2P, ...``:
 its K/V slots and barriers carry over from one item to the next (the block's n-th key step,
 counted over its items, uses slot ``n % stages``), so the producer copies the next item's
@@ -47,9 +47,7 @@ sequences own the rest); the next item's q or output waits until the stores have
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -59,104 +57,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.compat import interpret_params, load_whole
+from pallas_kernels.mosaic_gpu.kernel_statics import (SWIZZLE_ELEMS as _SWIZZLE_ELEMS,
+                                                      KernelStatics)
+from pallas_kernels.mosaic_gpu.work_items import for_each_item as _for_each_item
+from pallas_kernels.mosaic_gpu.work_items import work_item as _work_item
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30   # running max before any key: finite, so exp2(m_old - m_new) is never NaN
 _SWIZZLE = 128    # bytes: the widest wgmma swizzle; 64 bf16 columns per tile row
-_SWIZZLE_ELEMS = 64   # 16-bit elements per swizzled row
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelStatics:
-  """Everything static the kernel body needs."""
-  geo: TL.TileGeometry
-  head_size: int             # D
-  num_kv_heads: int          # H
-  layout: str                # "NHD" / "HND"
-  num_blocks: int            # B
-  max_blocks: int            # block_table.shape[1]
-  num_tiles: int
-  causal: bool
-  window: Optional[int]
-  soft_cap: Optional[float]
-  has_sinks: bool
-  scale: Optional[float]     # None: traced, read from the kernel's scale operand
-  dtype: object              # q / cache element dtype (16-bit)
-  interpret: bool = False    # Mosaic GPU interpret mode (CPU)
-  pv: str = TL.DEFAULT_PV      # one of tiles.PV_VARIANTS
-  ping_pong: bool = True     # two consumer warpgroups alternate on the tensor cores
-  num_programs: int = 0      # CUDA blocks, each walking its share of the work items
-                             # (0: one block per work item)
-  staging: str = TL.STAGING_PLAIN   # how q and the output pass through shared memory
-                                    # (tiles.STAGINGS, tiles.choose_staging)
-  registers: Optional[tuple[int, int]] = None   # (consumer, producer) registers a thread
-                                                # after the split; None: default_registers
-
-  def __post_init__(self):
-    if self.pv not in TL.PV_VARIANTS:
-      raise ValueError(f"pv variant {self.pv!r} is not one of {TL.PV_VARIANTS}")
-    if self.interpret and self.pv != TL.PV_SMEM_FRESH:
-      raise ValueError(f"interpret mode runs only the {TL.PV_SMEM_FRESH!r} variant, got "
-                       f"{self.pv!r}")
-    if self.staging not in TL.STAGINGS:
-      raise ValueError(f"staging {self.staging!r} is not one of {TL.STAGINGS}")
-    if self.num_programs < 0:
-      raise ValueError(f"num_programs={self.num_programs} must be >= 0")
-    if self.registers is not None:
-      check_registers(self.registers, self.geo.num_wgs)
-
-  @property
-  def register_split(self) -> tuple[int, int]:
-    """(consumer, producer) registers a thread the warpgroups set at their start."""
-    return self.registers or default_registers(self.geo.num_wgs)
-
-  @property
-  def num_items(self) -> int:
-    """Work items: one per (KV head, query tile)."""
-    return self.num_kv_heads * self.num_tiles
-
-  @property
-  def stage_chunks(self) -> int:
-    """64-column chunks of each staging buffer row (``staging``): ``D / 64`` when swizzled,
-    0 for the plain buffer of whole rows."""
-    return 0 if self.staging == TL.STAGING_PLAIN else self.head_size // _SWIZZLE_ELEMS
-
-  @property
-  def grid_size(self) -> int:
-    """CUDA blocks launched: ``num_programs`` (at most one per work item), or one per item."""
-    return min(self.num_programs or self.num_items, self.num_items)
-
-
-#: Registers of the block's threads together: 64 K per SM, one block per SM.
-_REGISTER_FILE = 64 * 1024
-_WG_THREADS = 128
-
-
-def register_budget(num_wgs: int) -> int:
-  """Registers one thread of each warpgroup (the consumers and the producer) hold together:
-  what ptxas gives every thread at launch (the register file over the block's threads,
-  rounded down to 8) times the warpgroups."""
-  return _REGISTER_FILE // (_WG_THREADS * (num_wgs + 1)) // 8 * 8 * (num_wgs + 1)
-
-
-def default_registers(num_wgs: int) -> tuple[int, int]:
-  """(consumer, producer) registers a thread: the producer keeps 40, the consumers share
-  the rest up to 240 (two consumers: 232 each)."""
-  return min(240, (register_budget(num_wgs) - 40) // num_wgs // 8 * 8), 40
-
-
-def check_registers(registers, num_wgs: int) -> None:
-  """ValueError unless ``registers`` is a (consumer, producer) pair of multiples of 8 in
-  [24, 256] whose total over the block's warpgroups fits the launch's pool."""
-  ok = (isinstance(registers, tuple) and len(registers) == 2
-        and all(isinstance(r, int) and r % 8 == 0 and 24 <= r <= 256 for r in registers))
-  if not ok:
-    raise ValueError(f"registers must be (consumer, producer), multiples of 8 in [24, 256], "
-                     f"got {registers!r}")
-  total, budget = num_wgs * registers[0] + registers[1], register_budget(num_wgs)
-  if total > budget:
-    raise ValueError(f"registers {registers} need {total} a thread over {num_wgs} consumer "
-                     f"warpgroups and the producer; the launch gives {budget}")
 
 
 def _smem_tiled(shape, dtype):
@@ -172,63 +80,6 @@ def _kv_box(cache_ref, st: KernelStatics, blk, h, off, n, side):
   if st.layout == "NHD":
     return cache_ref.at[blk, pl.ds(off, n), h, cols]
   return cache_ref.at[blk, h, pl.ds(off, n), cols]
-
-
-class _Tile(NamedTuple):
-  """One work item's scalars: its query tile's metadata and its key steps ``[j_lo, j_hi)``,
-  with ``[b, c_end)`` the steps every real row sees in full (no mask)."""
-  h: jax.Array
-  tok0: jax.Array
-  nq: jax.Array
-  pos0: jax.Array
-  kv_len: jax.Array
-  bt_row: jax.Array
-  j_lo: jax.Array
-  j_hi: jax.Array
-  b: jax.Array
-  c_end: jax.Array
-
-  @property
-  def num_steps(self):
-    return self.j_hi - self.j_lo
-
-
-def _work_item(meta_ref, w, st: KernelStatics) -> _Tile:
-  """Work item ``w``: KV heads vary fastest; the tiles in reverse schedule order (each
-  sequence's last tile, the one with the most keys, first; the last sequence first)."""
-  bk = st.geo.block_kv
-  h = lax.rem(w, st.num_kv_heads)
-  tile = st.num_tiles - 1 - lax.div(w, st.num_kv_heads)
-  tok0 = meta_ref[TL.META_TOK0, tile]
-  nq = meta_ref[TL.META_NQ, tile]
-  pos0 = meta_ref[TL.META_POS0, tile]
-  kv_len = meta_ref[TL.META_KV_LEN, tile]
-  pos_last = pos0 + nq - 1
-  kv_hi = jnp.minimum(kv_len, pos_last + 1) if st.causal else kv_len
-  kv_lo = jnp.maximum(pos0 - st.window + 1, 0) if st.window else jnp.int32(0)
-  j_lo = lax.div(kv_lo, bk)
-  j_hi = jnp.where((nq > 0) & (kv_hi > kv_lo), lax.div(kv_hi + bk - 1, bk), j_lo)
-  full_lo = (lax.div(jnp.maximum(pos_last - st.window + 1, 0) + bk - 1, bk)
-             if st.window else j_lo)
-  full_end = jnp.minimum(pos0 + 1, kv_len) if st.causal else kv_len
-  b = jnp.clip(full_lo, j_lo, j_hi)
-  c_end = jnp.clip(lax.div(full_end, bk), b, j_hi)
-  return _Tile(h, tok0, nq, pos0, kv_len, meta_ref[TL.META_BT_ROW, tile], j_lo, j_hi, b,
-               c_end)
-
-
-def items_of_block(p, num_blocks: int, num_items: int):
-  """How many work items block ``p`` of ``num_blocks`` walks (items ``p, p + P, ...`` below
-  ``num_items``): ``ceil((num_items - p) / num_blocks)``, for ``0 <= p < num_blocks``."""
-  return lax.div(num_items - p + num_blocks - 1, num_blocks)
-
-
-def _for_each_item(st: KernelStatics, body, init):
-  """``carry = body(w, carry)`` over this block's work items ``w = p, p + P, p + 2P, ...``
-  (``P = st.grid_size`` blocks, ``st.num_items`` items); returns the final carry."""
-  p, num_blocks = lax.axis_index("program"), st.grid_size
-  return lax.fori_loop(0, items_of_block(p, num_blocks, st.num_items),
-                       lambda k, c: body(p + k * num_blocks, c), init)
 
 
 def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scratch, *,

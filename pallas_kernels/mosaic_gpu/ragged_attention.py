@@ -23,6 +23,7 @@ from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
 from pallas_kernels.common import static_or_none
 from pallas_kernels.mosaic_gpu import tiles as TL
+from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
@@ -84,25 +85,20 @@ def platform_reason() -> str | None:
   return _gpu_reason()
 
 
-#: ``auto`` takes this kernel for batches whose static ``max_query_len`` is at least this:
-#: measured on the H200 (bf16, Hq=32, H=8, D=128, block 16, benchmarks/RESULTS.md "Mosaic
-#: GPU: where auto takes it"), it beat the Triton kernels on every batch with query chunks of
-#: 128 tokens and more (8 x 128 chunks on 2048: 0.26 vs 0.30 ms, up to 1 x 16384: 1.2x), and
-#: lost on pure decode (0.36 vs 0.28 ms at 64 x 4096) and on 32 x 16 tokens (0.25 vs 0.20).
-AUTO_MIN_QUERY_LEN = 128
 
 
 def prefer_attention(spec, q_dtype, call) -> str | None:
   """The auto rule (registry ``prefer``): None when ``auto`` should take this kernel.
 
-  Yes for a batch with a static ``max_query_len >= AUTO_MIN_QUERY_LEN`` and a GQA group the
+  Yes for a batch with a static ``max_query_len >= tuning.AUTO_MIN_QUERY_LEN`` and a GQA group the
   kernel packs; on a quantized cache only where the plain copy of its pages pays
   (:func:`kvjax.plain_copy.worth_a_plain_copy`)."""
   if call is None or call.max_query_len is None:
     return ("auto takes it only for a static max_query_len >= "
-            f"{AUTO_MIN_QUERY_LEN} (the call gives none)")
-  if call.max_query_len < AUTO_MIN_QUERY_LEN:
-    return (f"max_query_len={call.max_query_len} < {AUTO_MIN_QUERY_LEN}: the Triton kernels "
+            f"{MT.AUTO_MIN_QUERY_LEN} (the call gives none)")
+  if call.max_query_len < MT.AUTO_MIN_QUERY_LEN:
+    return (f"max_query_len={call.max_query_len} < {MT.AUTO_MIN_QUERY_LEN}: the Triton "
+            "kernels "
             "are faster there (measured)")
   reason = spec_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
   if reason is not None:
@@ -112,23 +108,6 @@ def prefer_attention(spec, q_dtype, call) -> str | None:
     return (f"cache_dtype={spec.cache_dtype!r}: too few query tokens for a plain copy of the "
             "pages to pay")
   return None
-
-
-#: Work items (KV head x query tile) go to persistent blocks, one per SM, each walking its
-#: items in turn so that its producer copies the next item's first K/V steps while its
-#: consumers finish the current one (instead of a new block's prologue per item). Measured on
-#: the H200 against one block per item (benchmarks/RESULTS.md, 2026-12-03): 16 x 1024 causal
-#: +10 %, 4 x 4096 +2 %, 1 x 16384 1-3 % slower.
-PERSISTENT = True
-
-
-def default_programs(interpret: bool) -> int:
-  """CUDA blocks of a call: one per SM of the default device when :data:`PERSISTENT` (one
-  block fills an SM's shared memory), else 0 (one block per work item). Interpret mode, and a
-  default device that reports no SM count (lowering for CUDA on a CPU host): 0."""
-  if interpret or not PERSISTENT:
-    return 0
-  return int(getattr(jax.devices()[0], "core_count", 0) or 0)
 
 
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
@@ -171,7 +150,7 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  registers: tuple[int, int] | None = None):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), the ping-pong schedule of two consumer warpgroups
-  switchable (``kernel.py``), the number of CUDA blocks (None: :func:`default_programs`;
+  switchable (``kernel.py``), the number of CUDA blocks (None: :func:`.tuning.num_programs`;
   0: one per work item), how q and the output pass through shared memory (None:
   :func:`tiles.choose_staging`; one of ``tiles.STAGINGS``) and the (consumer, producer)
   registers a thread (None: ``kernel.default_registers``), for benchmark sweeps."""
@@ -222,7 +201,7 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
       scale=static_or_none(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv,
       ping_pong=bool(ping_pong),
-      num_programs=default_programs(interpret) if num_programs is None else int(num_programs),
+      num_programs=MT.num_programs(interpret) if num_programs is None else int(num_programs),
       staging=staging, registers=None if registers is None else tuple(registers))
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))

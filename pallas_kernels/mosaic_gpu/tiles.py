@@ -30,6 +30,7 @@ import math
 import jax.numpy as jnp
 
 from pallas_kernels import ragged_schedule as sched
+from pallas_kernels.mosaic_gpu.tuning import DEFAULT_PV as DEFAULT_PV_VARIANT
 
 WG_ROWS = 64           # rows of one consumer warpgroup (wgmma M)
 MIN_BQ = 8             # slab alignment: the (8, swizzle) SMEM tiling of wgmma operands
@@ -41,11 +42,11 @@ MAX_GROUP = 2 * WG_ROWS // MIN_BQ    # 16 query heads per KV head at most
 #: "p_smem": P is stored to a per-warpgroup shared-memory buffer, acc updated in place;
 #: "p_smem_fresh": P through shared memory, the product into a fresh zero accumulator that
 #:   is then added to acc in registers (the only form Mosaic GPU interpret mode runs).
-#: Compiled, the kernel defaults to "p_regs" (the fastest on the H200, benchmarks/RESULTS.md);
-#: interpret mode to "p_smem_fresh" (:func:`default_pv`).
+#: Compiled, the kernel defaults to :data:`.tuning.DEFAULT_PV`; interpret mode to
+#: "p_smem_fresh" (:func:`default_pv`).
 PV_REGS, PV_SMEM, PV_SMEM_FRESH = "p_regs", "p_smem", "p_smem_fresh"
 PV_VARIANTS = (PV_REGS, PV_SMEM, PV_SMEM_FRESH)
-DEFAULT_PV = PV_REGS
+DEFAULT_PV = DEFAULT_PV_VARIANT
 
 
 #: How q and the output tile pass through shared memory (``kernel.py``; both are copied by
@@ -195,9 +196,8 @@ def choose_staging(geo: TileGeometry, head_size: int, itemsize: int = 2,
   """How q and the output pass through shared memory (:data:`STAGINGS`): q in a buffer of
   its own wherever that buffer fits next to the tile's K/V slots (it costs none of them),
   else both in one swizzled buffer; interpret mode stages plainly (the form its simulator is
-  known to run). Measured on the H200 (benchmarks/RESULTS.md, 2026-12-03 "persistent
-  blocks"): q in its own swizzled buffer instead of the plain one, 4 x 4096 causal 493 -> 512
-  TFLOP/s, 16 x 1024 285 -> 301, 1 x 16384 level."""
+  known to run). q in its own swizzled buffer is faster than the plain one
+  (benchmarks/RESULTS.md, `mgpu-persistent`)."""
   if interpret:
     return STAGING_PLAIN
   if geo.smem_bytes(head_size, itemsize, pv, STAGING_Q_OWN) <= SMEM_BUDGET:

@@ -7,7 +7,7 @@ a one-line reason). ``interpret=True`` runs the kernels on CPU in TPU interpret 
 ``interpret=False`` compiles them for a TPU. docs/tpu.md has the tiling and DMA plan.
 """
 from pallas_kernels.mosaic_tpu.cache_update import supports_write, write_kv
-from pallas_kernels.mosaic_tpu.codec import SUPPORTED_CACHE_DTYPES, SUPPORTED_Q_DTYPES
+from pallas_kernels.mosaic_tpu.adapters import SUPPORTED_CACHE_DTYPES, SUPPORTED_Q_DTYPES
 from pallas_kernels.mosaic_tpu.ragged_attention import (ragged_paged_attention,
                                                         supports_attention)
 

@@ -26,15 +26,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kvjax import formats as F
 from kvjax import quant
 from kvjax.spec import KVCacheSpec
-from pallas_kernels.mosaic_tpu.codec import RowCodec, unsupported_reason
+from pallas_kernels.mosaic_tpu import tuning
+from pallas_kernels.mosaic_tpu.adapters import rows_of, unsupported_reason
+from pallas_kernels.mosaic_tpu.rows import Rows
 from pallas_kernels.mosaic_tpu.interpret import interpret_params
-
-#: Tokens per grid step.
-TOKENS_PER_STEP = 8
-
 
 def supports_write(spec) -> str | None:
   """None when :func:`write_kv` handles ``spec``, else a one-line reason."""
@@ -60,7 +57,7 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   if t == 0:
     return cache
   h, d = spec.num_kv_heads, spec.head_size
-  tb = min(TOKENS_PER_STEP, t)
+  tb = min(tuning.WRITE_TOKENS_PER_STEP, t)
   steps = pl.cdiv(t, tb)
   pad = steps * tb - t
   num_slots = cache.shape[0] * spec.block_size
@@ -70,10 +67,10 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   key = jnp.pad(key[:t], ((0, pad), (0, 0), (0, 0)))
   value = jnp.pad(value[:t], ((0, pad), (0, 0), (0, 0)))
 
-  codec = RowCodec.of(spec)
+  codec = rows_of(spec)
   kv_block = pl.BlockSpec((tb, h, d), lambda i, slots_ref: (i, 0, 0))
   inputs, in_specs = [key, value], [kv_block, kv_block]
-  if spec.format.kind == F.FP8_PER_TENSOR:
+  if codec.tensor_scaled:
     # 1/scale exactly as kvjax.quant computes it, so the kernel's x * (1/scale) is the same.
     recips = [jnp.broadcast_to(1.0 / quant.per_head_scale(s, h), (h, 1)).astype(jnp.float32)
               for s in (k_scale, v_scale)]
@@ -82,7 +79,7 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   inputs.append(cache)
   in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
   kernel = functools.partial(_write_kernel, codec=codec, layout=spec.layout, tb=tb,
-                             has_recips=spec.format.kind == F.FP8_PER_TENSOR)
+                             has_recips=codec.tensor_scaled)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -98,7 +95,7 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   )(slots, *inputs)
 
 
-def _write_kernel(slots_ref, k_ref, v_ref, *rest, codec: RowCodec, layout: str, tb: int,
+def _write_kernel(slots_ref, k_ref, v_ref, *rest, codec: Rows, layout: str, tb: int,
                   has_recips: bool):
   """One grid step: encode TB tokens' rows into ``rows_ref``, DMA each to its slot."""
   if has_recips:

@@ -28,10 +28,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kvjax import formats as F
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.mosaic_tpu import tiles as TL
-from pallas_kernels.mosaic_tpu.codec import SUPPORTED_Q_DTYPES, RowCodec, unsupported_reason
+from pallas_kernels.mosaic_tpu.adapters import SUPPORTED_Q_DTYPES, rows_of, unsupported_reason
+from pallas_kernels.mosaic_tpu.rows import Rows
 from pallas_kernels.mosaic_tpu.interpret import interpret_params
 
 _LANES = 128
@@ -101,7 +101,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
 
   page_shape = cache.shape[1:]
   kernel = functools.partial(
-      _attention_kernel, plan=plan, codec=RowCodec.of(spec), layout=spec.layout,
+      _attention_kernel, plan=plan, codec=rows_of(spec), layout=spec.layout,
       num_blocks=cache.shape[0], max_blocks=max_blocks, causal=causal,
       sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
       has_sinks=sinks is not None, tensor_scales=tensor_scales, cd=compute_dtype(q.dtype))
@@ -125,7 +125,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   return TL.scatter_outputs(out_tiles, plan, query_start_loc, seq_lens, t)
 
 
-def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: RowCodec,
+def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: Rows,
                       layout: str, num_blocks: int, max_blocks: int, causal: bool,
                       sliding_window, soft_cap, has_sinks: bool, tensor_scales: bool, cd):
   """One query tile over its sequence's visible keys, all KV heads. ``scales_ref``: float32
@@ -238,7 +238,7 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: 
     o_ref[hh] = jnp.where(row_ok, out, 0.0).astype(o_ref.dtype)
 
 
-def _side_tile(buf, slot, head: int, side: int, codec: RowCodec, layout: str, cd):
+def _side_tile(buf, slot, head: int, side: int, codec: Rows, layout: str, cd):
   """K (side 0) or V (side 1) of one KV head in buffer half ``slot``: ``(P * N, D)`` in cd."""
   d = codec.head_size
   start = codec.data_start(side)
@@ -248,6 +248,6 @@ def _side_tile(buf, slot, head: int, side: int, codec: RowCodec, layout: str, cd
       return buf[slot, :, :, head, pl.ds(lo, width)]
     return buf[slot, :, head, :, pl.ds(lo, width)]   # buf: (2, P, H, N, C)
 
-  scale_bytes = lanes(start + d, 4) if codec.per_token_head else None
+  scale_bytes = lanes(start + d, 4) if codec.row_scaled else None
   vals = codec.decode_side(lanes(start, d), scale_bytes, cd)      # (P, N, D)
   return vals.reshape(vals.shape[0] * vals.shape[1], d)

@@ -21,14 +21,11 @@ import jax.numpy as jnp
 
 from kvjax.reference.attention import token_positions
 from pallas_kernels import ragged_schedule as sched
+from pallas_kernels.mosaic_tpu.tuning import TARGET_KEYS, TARGET_ROWS
 
 #: Metadata fields, in order, per tile.
 SEQ, ROWS, POS0, KV_LEN, KV_LO, KV_HI = range(6)
 NUM_FIELDS = 6
-#: Rows (tokens x group) a tile aims for: one MXU pass of 128 rows.
-TARGET_ROWS = 128
-#: Keys a KV step aims for (pages per step = TARGET_KEYS // block_size).
-TARGET_KEYS = 256
 
 
 @dataclasses.dataclass(frozen=True)

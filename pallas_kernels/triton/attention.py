@@ -5,15 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import ragged_batch as RB
+from pallas_kernels.triton.adapters import hooks_reason
 
 _Q_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
 def supports_attention(spec, q_dtype):
-  """Registry hook: every cache format; q in bfloat16, float16 or float32."""
+  """Registry hook: every format the Triton adapter table adapts; q in bfloat16, float16 or
+  float32."""
   if np.dtype(q_dtype) not in _Q_DTYPES:
     return f"q dtype {np.dtype(q_dtype)} is not one of {[str(d) for d in _Q_DTYPES]}"
-  return None
+  return hooks_reason(spec)
 
 
 def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table, scale,

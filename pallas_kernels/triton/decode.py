@@ -20,10 +20,11 @@ from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from kvjax import quant
 from pallas_kernels.common import merge_splits, static_or_none, words_view
-from pallas_kernels.triton.decode_config import DecodeConfig, choose_num_splits, default_config
+from pallas_kernels.triton import pairs, tuning
+from pallas_kernels.triton.adapters import tile_format
+from pallas_kernels.triton.decode_config import DecodeConfig
 from pallas_kernels.triton.decode_kernel import decode_call
 from pallas_kernels.triton.formats import TileFormat
-from pallas_kernels.triton import pairs
 
 
 def _kernel_scales(tf: TileFormat, k_scale, v_scale, scale=None):
@@ -54,22 +55,23 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
     query_start_loc: int ``[S+1]`` or None (= ``arange(S+1)``): row i of q is the query of
       the sequence whose entries are ``(i, i+1)``; rows of no such sequence output 0
       (:func:`kvjax.ragged_batch.decode_sequences`).
-    config: static :class:`DecodeConfig` (None = :func:`default_config` of the cache dtype).
+    config: static :class:`DecodeConfig` (None = the format's measured config,
+      :func:`pallas_kernels.triton.tuning.decode_config`).
   Returns:
     ``[S, Hq, D]`` in q's dtype. Metadata outside the contract follows
     :mod:`kvjax.ragged_batch` (seq_lens clipped to the capacity, block ids to [0, B)).
   """
-  config = default_config(spec) if config is None else config
   s, hq, d = q.shape
   h = spec.num_kv_heads
   g = hq // h
-  tf = TileFormat.of(spec, q.dtype)
+  tf = tile_format(spec, q.dtype)
+  config = tuning.decode_config(tf) if config is None else config
   tf = dataclasses.replace(tf, fast_decode=config.fast_decode, compute_dtype=np.dtype(
       config.compute_dtype or tf.compute_dtype))
   if config.pair_codes:
     tf = tf.paired(ptx=not interpret and pairs.pairs_in_ptx(spec.codec.quant))
   num_blocks = cache.shape[0]
-  splits = choose_num_splits(config, s, h, jnp.shape(block_table)[1], spec.block_size)
+  splits = tuning.choose_num_splits(config, s, h, jnp.shape(block_table)[1], spec.block_size)
   sink_hg = (jnp.zeros((h, g), jnp.float32) if sinks is None
              else jnp.asarray(sinks, jnp.float32).reshape(h, g))
   static_scale = static_or_none(scale)

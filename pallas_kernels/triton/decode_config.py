@@ -1,17 +1,13 @@
-"""Static tuning of the paged decode kernel: a frozen config and the split-count rule.
+"""The paged decode kernel's knobs: a frozen config.
 
-Every field is static (hashable): it picks a compiled program, never a value
-read at run time.
+Every field is static (hashable): it picks a compiled program, never a value read at run
+time. The measured defaults and the split-count rule are in :mod:`pallas_kernels.triton.tuning`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
-from pallas_kernels.triton.formats import TileFormat
-
-#: Streaming multiprocessors of the H200 (and H100 SXM); used only to size the grid.
-NUM_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,14 +17,14 @@ class DecodeConfig:
   Attributes:
     tokens_per_step: KV tokens gathered by one load per step (a power of two,
       >= 16); a step spans ``tokens_per_step / block_size`` pages (at least one).
-    num_splits: KV splits per (sequence, KV head); None = :func:`choose_num_splits`.
+    num_splits: KV splits per (sequence, KV head); None =
+      :func:`pallas_kernels.triton.tuning.choose_num_splits`.
     target_programs: with ``num_splits=None``, aim for at least this many programs
-      (sequences x KV heads x splits) so that few long sequences still fill the SMs. (H200,
-      one-byte formats, 2026-12-03: 4, 6, 12 and 16 x 132 instead of 8 x 132 were no faster
-      across shapes, within the spread between rounds; benchmarks/RESULTS.md.)
+      (sequences x KV heads x splits) so that few long sequences still fill the SMs; None =
+      8 x the GPU's SMs.
     single_pass_programs: with ``num_splits=None``, use one split (the kernel then
       normalizes and writes the output itself, no merge pass) once sequences x KV
-      heads reach this many programs.
+      heads reach this many programs; None = 3 x the GPU's SMs.
     prefetch: carry the next step's K/V tiles through the loop (loads of step
       i+1 are issued before the math of step i).
     num_warps, num_stages: Triton launch parameters.
@@ -36,7 +32,7 @@ class DecodeConfig:
       (float16 operands from the stored bits); False converts element by element.
     scale_words: per-token-head formats of one-byte storage read their float32 row scales
       from a float32 view of the pages (one load instead of four byte loads a scale; the
-      view is a bitcast: no copy, measured on the H200).
+      view is a bitcast, no copy).
     compute_dtype: dot operand dtype by name ("float16", "bfloat16", "float32"); None = the
       one rule of :func:`pallas_kernels.common.compute_dtype`.
     pair_codes: formats of one-byte codes (fp8 per tensor, int8 / fp8 per token-head) read
@@ -44,21 +40,17 @@ class DecodeConfig:
       (:mod:`pallas_kernels.triton.pairs`), int4 and nvfp4 as uint16 words of four codes
       split into four head-dim parts; False reads bytes.
     page_block_ids: read a step's block ids once a page and spread each over the page's keys
-      (steps of whole pages), instead of once a key. In the sm_90 machine code the
-      per-token-head formats issue 5-12 % fewer instructions a step (fp8 per tensor 10 %
-      more), but on the H200 no format got faster by more than the spread between runs
-      (64 x 4096, 2026-12-03): off by default.
+      (steps of whole pages), instead of once a key; off by default (`triton-decode-page-block-ids`
+      in benchmarks/RESULTS.md: no faster).
     merge_in_kernel: with several splits, the split that finishes a (sequence, KV head) last
       (an atomic counter a pair) merges the partials of all splits and writes the output,
-      instead of a merge in XLA after the kernel. On the H200 (2026-12-03, profiler trace) the
-      XLA merge takes 4.0-4.2 µs a step at 64 x 4096 and 5.5-10.7 at 8 x 32768, and merging in
-      the kernel lengthens the kernel by as much (its last splits merge after their own keys):
-      level, so off by default.
+      instead of a merge in XLA after the kernel; off by default (`triton-decode-merge`:
+      level with the XLA merge).
   """
   tokens_per_step: int = 64
   num_splits: Optional[int] = None
-  target_programs: int = 8 * NUM_SMS
-  single_pass_programs: int = 3 * NUM_SMS
+  target_programs: Optional[int] = None
+  single_pass_programs: Optional[int] = None
   prefetch: bool = False
   num_warps: int = 4
   num_stages: int = 2
@@ -83,43 +75,5 @@ class DecodeConfig:
     return max(self.tokens_per_step, block_size)
 
 
+#: The knobs' defaults (what :func:`pallas_kernels.triton.tuning.decode_config` starts from).
 DEFAULT_CONFIG = DecodeConfig()
-
-
-def default_config(spec) -> DecodeConfig:
-  """Measured defaults for ``spec``'s format (H200, Hq=32, H=8, D=128, block 16;
-  benchmarks/sweep_decode.py, results in benchmarks/RESULTS.md).
-
-  Two-byte caches: one pass from 3 x 132 programs on (no merge; measured 3.93-3.96 TB/s at
-  64 x 4096 vs 3.71-3.83 with 3 splits). One-byte caches pipeline deeper and keep splitting
-  until 8 x 132 programs (64 x 4096: one pass 289-298 us vs 240-251 with 3 splits for fp8,
-  396-470 vs 336-391 for the per-token-head formats, before pair codes); then the format's
-  own measured overrides (:attr:`~pallas_kernels.triton.formats.TileFormat.decode_defaults`:
-  fp8 per tensor read as pairs takes 128 tokens a step in 5 stages).
-  """
-  if spec.itemsize != 1:
-    return DEFAULT_CONFIG
-  config = dataclasses.replace(DEFAULT_CONFIG, num_stages=3,
-                               single_pass_programs=DEFAULT_CONFIG.target_programs)
-  hooks = TileFormat.of(spec)
-  if config.pair_codes:
-    hooks = hooks.paired(ptx=False)
-  return dataclasses.replace(config, **hooks.decode_defaults)
-
-
-def choose_num_splits(config: DecodeConfig, num_seqs: int, num_kv_heads: int,
-                      max_blocks: int, block_size: int) -> int:
-  """Splits per (sequence, KV head) from static shapes only.
-
-  One split when ``num_seqs * num_kv_heads >= single_pass_programs``; else enough
-  splits that ``num_seqs * num_kv_heads * splits >= target_programs``, never more
-  than the number of steps the longest sequence can take.
-  """
-  if config.num_splits is not None:
-    return config.num_splits
-  if num_seqs * num_kv_heads >= config.single_pass_programs:
-    return 1
-  max_steps = max(1, -(-max_blocks * block_size // config.step_tokens(block_size)))
-  base = max(1, num_seqs * num_kv_heads)
-  want = -(-config.target_programs // base)
-  return int(max(1, min(want, max_steps)))

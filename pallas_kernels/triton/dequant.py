@@ -20,13 +20,14 @@ from jax.experimental.pallas import triton as pltriton
 from kvjax.codecs import RowAddress
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.common import next_pow2
-from pallas_kernels.triton.formats import TileFormat, hooks_reason
+from pallas_kernels.triton.adapters import hooks_reason, tile_format
+from pallas_kernels.triton.formats import TileFormat
 
 _I32 = jnp.int32
 
 
 def supports_read(spec: KVCacheSpec):
-  """Registry hook: every format whose codec has Triton hooks."""
+  """Registry hook: every format the Triton adapter table adapts."""
   return hooks_reason(spec)
 
 
@@ -67,7 +68,7 @@ def dequantize_pages(pages, spec: KVCacheSpec, k_scale=None, v_scale=None, *, in
   if num_pages == 0:
     z = jnp.zeros(out_shape, jnp.float32)
     return z, z
-  fmt = TileFormat.of(spec)
+  fmt = tile_format(spec)
   params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
   out = jax.ShapeDtypeStruct((num_pages * n * h, d), jnp.float32)
   k, v = pl.pallas_call(

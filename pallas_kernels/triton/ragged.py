@@ -35,32 +35,8 @@ from kvjax.spec import KVCacheSpec
 from pallas_kernels import ragged_schedule as sched
 from pallas_kernels.common import float32_words, next_pow2, static_or_none
 from pallas_kernels.triton import ragged_kernel
-from pallas_kernels.triton.formats import TileFormat
-
-_MAX_ROWS = 256
-
-
-def default_tile_config(spec: KVCacheSpec, group: int, max_query_len: int, interpret: bool,
-                        compute_itemsize: int) -> ragged_kernel.TileConfig:
-  """Tiles for this problem: rows from the max_query_len bucket, smaller on CPU interpret.
-
-  Measured on the H200 (4 x 4096 causal, bf16, D=128, G=4; benchmarks/results/prefill.md):
-  256 rows x 64 keys, 8 warps: 344 TFLOP/s; 128 x 32, 4 warps: 303; 128 x 64, 4 warps: 281;
-  64 x 32, 4 warps: 253. Buckets too small for 256 rows use the best smaller tile.
-  """
-  cap = 32 if interpret else _MAX_ROWS
-  rows = max(16, min(cap, next_pow2(max_query_len * group)))
-  rows = max(rows, next_pow2(group))                # at least one token per tile
-  if interpret:
-    return ragged_kernel.TileConfig(rows=rows, block_kv=16, num_warps=4, num_stages=1)
-  if spec.head_size > 128 or compute_itemsize > 2:  # big tiles: keep registers/smem in budget
-    rows = min(rows, 64)
-    return ragged_kernel.TileConfig(rows=rows, block_kv=32, num_warps=4, num_stages=2)
-  if rows >= 256:
-    return ragged_kernel.TileConfig(rows=rows, block_kv=64, num_warps=8, num_stages=3)
-  block_kv = 32 if rows >= 64 else 64   # decode-sized tiles: more keys in flight per step
-  return ragged_kernel.TileConfig(rows=rows, block_kv=block_kv, num_warps=4, num_stages=3)
-
+from pallas_kernels.triton import tuning
+from pallas_kernels.triton.adapters import tile_format
 
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
                            scale, causal=True, sliding_window=None, soft_cap=None, sinks=None,
@@ -99,8 +75,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     k_scale = v_scale = None
   promised = t if max_query_len is None else int(max_query_len)
   mql = min(next_pow2(promised), next_pow2(t))
-  fmt = TileFormat.of(spec, q.dtype)
-  cfg = tile_config or default_tile_config(spec, group, mql, interpret,
+  fmt = tile_format(spec, q.dtype)
+  cfg = tile_config or tuning.ragged_tiles(spec.head_size, group, mql, interpret,
                                            fmt.compute_dtype.itemsize)
   if cfg.rows < group:
     raise ValueError(f"tile rows={cfg.rows} must be >= the GQA group size {group}")

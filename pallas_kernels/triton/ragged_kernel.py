@@ -181,7 +181,7 @@ class _RowTiles:
     if self.fmt.tensor_scaled:
       qk_scale = qk_scale * self.ks_ref[self.h]
     # q stays as loaded (a dot operand straight from memory); scaling q in registers first
-    # measured slower on the H200 (245 vs 295 TFLOP/s at 128 x 32 tiles, register pressure).
+    # is slower (register pressure; `triton-ragged-tiles` in benchmarks/RESULTS.md).
     return _load_rows(self.q_ref, q_rows, st, 0, row_ok), qk_scale
 
   def init_acc(self):

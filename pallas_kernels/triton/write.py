@@ -3,9 +3,9 @@
 Entry point :func:`write_kv` (the "pallas" implementation of ``kvjax.registry.WRITE``,
 called by ``kvjax.write_kv`` after validation). It stores the same bytes as
 ``kvjax.reference.cache_update.write_kv`` under ``jax.jit``: the quantizers are the shared
-:mod:`kvjax.quant` formulas, divisions IEEE (:mod:`pallas_kernels.triton.ieee`). (On the H200,
+:mod:`kvjax.quant` formulas, divisions IEEE (:mod:`pallas_kernels.triton.ieee`). (On a GPU,
 XLA-GPU's own compile of the int8 / int4 per-token-head reference differs from XLA-CPU's in a
-few bytes, so those two are exact against the CPU reference only: benchmarks/results/write.md.)
+few bytes, so those two are exact against the CPU reference only: benchmarks/RESULTS.md, "Writes".)
 
 How it works. The physical cache is handed to the kernel whole
 (``BlockSpec(memory_space=pl.ANY)``) as a 2-D table (a free reshape of the contiguous
@@ -43,7 +43,9 @@ from kvjax import quant
 from kvjax.slots import int32_slots
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.common import cdiv, next_pow2
-from pallas_kernels.triton.formats import TileFormat, hooks_reason
+from pallas_kernels.triton import tuning
+from pallas_kernels.triton.adapters import hooks_reason, tile_format
+from pallas_kernels.triton.formats import TileFormat
 
 _I32 = jnp.int32
 _MAX_ROWS = 2**31 - 1
@@ -53,8 +55,7 @@ _MAX_ROWS = 2**31 - 1
 class WriteConfig:
   """Launch parameters of the write kernel (GPU; interpret mode ignores warps/stages).
 
-  :func:`default_config` picks them per format from H200 measurements
-  (benchmarks/results/write.md).
+  :func:`default_config` picks them per format (:func:`pallas_kernels.triton.tuning.write_defaults`).
   """
   tokens_per_program: int = 1
   num_warps: int = 4
@@ -69,9 +70,8 @@ class WriteConfig:
 
 
 def default_config(spec: KVCacheSpec) -> WriteConfig:
-  """The format's measured defaults (H200, 8192 tokens, H=8, D=128): plain / fp8 rows 8 tokens
-  a program; quantize-heavy formats 1 token a program with contiguous pair loads."""
-  tokens, pair_split = TileFormat.of(spec).write_defaults
+  """The format's measured launch config (:func:`pallas_kernels.triton.tuning.write_defaults`)."""
+  tokens, pair_split = tuning.write_defaults(tile_format(spec))
   return WriteConfig(tokens_per_program=tokens, num_warps=4, pair_split=pair_split)
 
 
@@ -228,7 +228,7 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   t = int(slot_mapping.shape[0])
   if t == 0:
     return cache
-  fmt = TileFormat.of(spec)
+  fmt = tile_format(spec)
   p = _plan(fmt, cache.shape[0], t, config, compiled=not interpret)
   h, d = spec.num_kv_heads, spec.head_size
   k2 = key.reshape(key.shape[0] * h, d)

@@ -1,0 +1,48 @@
+"""The Mosaic GPU kernels' tuning table: every measured default and ``auto`` rule constant.
+
+Each names the row of ``benchmarks/RESULTS.md`` ("Tuned defaults") that justifies it, by its
+id in backticks. The geometry rules that follow from shared-memory budgets (how many K/V
+slots fit, the decode split count) live with the geometry (:mod:`.tiles`,
+:mod:`.decode_geometry`); what they assume of the GPU comes from here.
+"""
+from __future__ import annotations
+
+from pallas_kernels.common import gpu_sm_count
+
+#: Whether ``auto`` takes the decode kernel for the decode batches it can run; else the
+#: Triton decode kernel runs them (`mgpu-decode-rule`: 0.88-1.00x the Triton kernel on bf16,
+#: slower on fp8).
+AUTO_DECODE = False
+
+#: ``auto`` takes the ragged kernel for batches whose static ``max_query_len`` is at least
+#: this (`mgpu-ragged-rule`: faster than the Triton kernels from query chunks of 128 tokens
+#: on, slower on pure decode and on 16-token chunks).
+AUTO_MIN_QUERY_LEN = 128
+
+#: Work items (KV head x query tile) go to persistent blocks, one per SM, each walking its
+#: items in turn so that its producer copies the next item's first K/V steps while its
+#: consumers finish the current one (`mgpu-persistent`).
+PERSISTENT = True
+
+#: How the ragged kernel issues ``acc += P V`` compiled (`mgpu-p-regs`): P as the register A
+#: operand of wgmma (``tiles.PV_VARIANTS``).
+DEFAULT_PV = "p_regs"
+
+#: Swizzle (bytes) of the shared-memory slots fp8 K/V tiles land in: the 32-byte one, whose
+#: tiles the 4-byte upcast loads read (`mgpu-fp8-upcast`).
+FP8_LANDING_SWIZZLE = 32
+
+
+def num_programs(interpret: bool) -> int:
+  """CUDA blocks of a ragged call: one per SM with :data:`PERSISTENT` (one block fills an
+  SM's shared memory), else 0 (one block per work item). Interpret mode, and a host without
+  a GPU (lowering for CUDA on a CPU): 0."""
+  if interpret or not PERSISTENT:
+    return 0
+  return gpu_sm_count(0)
+
+
+def num_sms() -> int:
+  """SMs the decode split rule fills: this process's GPU's, 132 (H100 SXM, H200) without
+  one."""
+  return gpu_sm_count(132)

@@ -1,0 +1,40 @@
+"""The Mosaic TPU backend's adapter table: which row hooks (:mod:`.rows`) read a codec.
+
+Rows match a codec's facts (:mod:`kvjax.adapters`): plain rows, fp8 rows with per-tensor
+scales, and int8 / fp8 rows with a float32 scale a row. Formats no row matches (int4 per
+token-head, nvfp4) have no Mosaic TPU kernels yet.
+"""
+from __future__ import annotations
+
+from kvjax import formats as F
+from kvjax.adapters import Adapter, AdapterTable, packs, stores_fp8
+from kvjax.spec import KVCacheSpec
+from pallas_kernels.mosaic_tpu.rows import Fp8Rows, PlainRows, RowScaledRows, Rows
+
+ADAPTERS = AdapterTable("Mosaic TPU", (
+    Adapter("plain rows", lambda c: c.content_halves and c.is_plain, PlainRows),
+    Adapter("fp8 rows with per-tensor scales",
+            lambda c: (c.content_halves and c.has_tensor_scales and not c.has_row_scales
+                       and stores_fp8(c)), Fp8Rows),
+    Adapter("int8 / fp8 rows with a float32 scale a row",
+            lambda c: c.content_halves and c.has_row_scales and not packs(c, "int4"),
+            RowScaledRows),
+))
+
+#: Cache dtypes of the built-in table both kernels handle.
+SUPPORTED_CACHE_DTYPES = tuple(name for name, fmt in F.CACHE_FORMATS.items()
+                               if ADAPTERS.row(fmt.codec) is not None)
+#: Query (model) dtypes the attention kernel takes.
+SUPPORTED_Q_DTYPES = F.MODEL_DTYPES
+
+
+def unsupported_reason(spec) -> str | None:
+  """None when the kernels handle ``spec``, else a one-line reason."""
+  if not isinstance(spec, KVCacheSpec):
+    return f"{type(spec).__name__}: the Mosaic TPU kernels take a KVCacheSpec"
+  return ADAPTERS.reason(spec)
+
+
+def rows_of(spec: KVCacheSpec) -> Rows:
+  """The row hooks of ``spec``'s format."""
+  return ADAPTERS.hooks(spec.codec).of(spec)
