@@ -1,12 +1,18 @@
-"""Public cache writes and reads: ``write_kv`` and ``read_kv`` (docs/layout.md §4, §5)."""
+"""Public cache writes and reads: ``write_kv`` and ``read_kv`` (docs/layout.md §4, §5).
+
+Both take a :class:`kvjax.KVCacheSpec` (the packed K/V cache, every cache dtype) or a
+:class:`kvjax.MLACacheSpec` (MLA's latent cache ``(B, N, D_latent)`` in the model dtype, written
+as vLLM's ``concat_and_cache_mla`` writes it: one ``[kv_c | k_pe]`` row per token).
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kvjax import mla_cache
 from kvjax import registry
 from kvjax import validation as V
 from kvjax.layers import Stack
-from kvjax.spec import KVCacheSpec
+from kvjax.spec import KVCacheSpec, MLACacheSpec
 
 
 def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None, v_scale=None,
@@ -40,6 +46,14 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   that stores rotated rows (int4 per token-head: ``spec.codec.rotation``) gets key and value
   rotated here, before any implementation encodes them.
 
+  With an :class:`kvjax.MLACacheSpec` (MLA's latent cache, vLLM's ``concat_and_cache_mla``):
+  ``cache`` is ``(B, N, D_latent)`` in ``spec.dtype``, ``key`` is ``kv_c`` ``[T', D_c]`` and
+  ``value`` is ``k_pe`` ``[T', D_latent - D_c]`` (both ``spec.dtype``; each token's row is
+  stored as ``[kv_c | k_pe]``), or ``value=None`` and ``key`` the whole latent rows
+  ``[T', D_latent]``. The slot rules are the same; the rows are stored as given (no scales:
+  ``k_scale`` / ``v_scale`` are ignored), by the pure-jnp scatter (``impl`` "auto" or
+  "reference"); there is no layered MLA cache.
+
   >>> import jax, jax.numpy as jnp, kvjax
   >>> spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16,
   ...                          cache_dtype="int8_per_token_head")
@@ -53,7 +67,18 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   >>> k_back, v_back = kvjax.read_kv(cache, spec, [17, 63])
   >>> bool(jnp.abs(k_back - k[:2]).max() <= 0.5 / 127)     # half an int8 step (|k| <= 1)
   True
+
+  An MLA latent cache (576 = 512 compressed dims + 64 rope dims, as DeepSeek's):
+
+  >>> mla = kvjax.MLACacheSpec(latent_dim=576, block_size=16)
+  >>> latent = mla.allocate(num_blocks=4)                     # (4, 16, 576) bfloat16
+  >>> kv_c = jnp.ones((2, 512), jnp.bfloat16); k_pe = jnp.full((2, 64), 2, jnp.bfloat16)
+  >>> latent = write(latent, kv_c, k_pe, jnp.array([5, 40]), mla)   # page 0 row 5, page 2 row 8
+  >>> latent[2, 8, 510:514].tolist()
+  [1.0, 1.0, 2.0, 2.0]
   """
+  if isinstance(spec, MLACacheSpec):
+    return mla_cache.write_mla(cache, key, value, slot_mapping, spec, impl, layer)
   num_blocks = V.check_cache(spec, cache, layer)
   slot_mapping = V.check_slots(slot_mapping, num_blocks * spec.block_size)
   V.check_kv_tokens(spec, key, value, slot_mapping.shape[0])
@@ -96,7 +121,18 @@ def read_kv(cache, spec: KVCacheSpec, slots, *, k_scale=None, v_scale=None, impl
   >>> k_back, v_back = kvjax.read_kv(cache, spec, [20])
   >>> k_back.shape, k_back[0, 0, :3].tolist(), v_back[0, 0, :3].tolist()
   ((1, 1, 16), [16.0, 17.0, 18.0], [116.0, 117.0, 118.0])
+
+  With an :class:`kvjax.MLACacheSpec` it returns *one* float32 ``[len(slots), D_latent]``
+  array, the latent rows (``[kv_c | k_pe]``) of the slots; traced invalid slots read as NaN.
+
+  >>> mla = kvjax.MLACacheSpec(latent_dim=32, block_size=16, dtype=jnp.float32)
+  >>> latent = kvjax.write_kv(mla.allocate(2), jnp.arange(64.0).reshape(2, 32), None, [3, 17], mla)
+  >>> rows = kvjax.read_kv(latent, mla, [17])
+  >>> rows.shape, rows[0, :3].tolist()
+  ((1, 32), [32.0, 33.0, 34.0])
   """
+  if isinstance(spec, MLACacheSpec):
+    return mla_cache.read_mla(cache, spec, slots, impl, layer)
   num_blocks = V.check_cache(spec, cache, layer)
   num_slots = num_blocks * spec.block_size
   slots = V.check_slots(slots, num_slots, name="slots", negative_ok=False)

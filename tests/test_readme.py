@@ -59,3 +59,20 @@ def test_bash_blocks_name_real_files_and_options():
           for extra in re.findall(r'\.\[([\w,]+)\]', w):
             for name in extra.split(","):
               assert re.search(rf"^{name} = \[", pyproject, flags=re.M), f"no extra {name!r}"
+
+
+def test_examples_list_names_every_example():
+  """The README's Examples section runs every script and the notebook in examples/, and no other."""
+  section = README.split("## Examples", 1)[1].split("\n## ", 1)[0]
+  named = set(re.findall(r"examples/([\w.-]+\.(?:py|ipynb))", section))
+  present = {p.name for p in (ROOT / "examples").iterdir() if p.suffix in (".py", ".ipynb")}
+  assert named == present, f"README lists {sorted(named)}, examples/ holds {sorted(present)}"
+
+
+def test_first_screen():
+  """What kvjax is, the quick start, a first look and the examples come first, in ~60 lines."""
+  heads = [line for line in README.splitlines()[:70] if line.startswith("## ")]
+  assert heads[:3] == ["## Quick start", "## A first look", "## Examples"], heads
+  quick = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+  # the CPU build of torch is named before any command that installs torch
+  assert quick.index("download.pytorch.org/whl/cpu") < quick.index("pip install -e")
