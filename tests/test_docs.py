@@ -16,7 +16,7 @@ import kvjax
 
 # module: how many examples it must hold at least (so a lost docstring shows)
 DOCTESTED = {"kvjax.attention": 8, "kvjax.cache_ops": 16, "kvjax.spec": 8, "kvjax.paging": 10,
-             "kvjax.registry": 3, "kvjax.rotation": 2}
+             "kvjax.registry": 3, "kvjax.rotation": 2, "kvjax.adapters": 3}
 
 
 @pytest.mark.parametrize("name", sorted(DOCTESTED))
