@@ -85,11 +85,17 @@ def _scales(spec, rng):
 
 
 def _ref_write(before, key, value, slots, spec, layer):
+  """The reference's bytes, computed on the CPU device: XLA-GPU's compile of the per-token-head
+  quantizers may round a code differently (benchmarks/RESULTS.md, "Writes"), and the kernels
+  are held to the CPU reference."""
   ks = vs = None
   if spec.format.has_tensor_scales:
     ks, vs = jnp.float32(layer._k_scale_float), jnp.float32(layer._v_scale_float)
-  out = jax.jit(lambda c, k, v, s: kvjax.reference.write_kv(c, k, v, s, spec, ks, vs))(
-      _jax_cache(before, spec), _jnp(key), _jnp(value), jnp.asarray(slots.numpy()))
+  cpu = jax.devices("cpu")[0]
+  args = [jax.device_put(x, cpu) for x in (_jax_cache(before, spec), _jnp(key), _jnp(value),
+                                           jnp.asarray(slots.numpy()))]
+  with jax.default_device(cpu):
+    out = jax.jit(lambda c, k, v, s: kvjax.reference.write_kv(c, k, v, s, spec, ks, vs))(*args)
   return np.asarray(out).reshape(-1).view(np.uint8)
 
 
