@@ -76,15 +76,16 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
       a power of two, so steps of one bucket share a compiled program. None = T (always
       correct, the slowest tiling). Checked when the metadata is concrete.
     impl: "auto" or a name in ``kvjax.registry.ATTENTION``: "pallas" (the Triton kernels,
-      decode or ragged), "mosaic_gpu", "mosaic_tpu", "reference" (pure ``jnp``). "auto" takes
-      the Triton kernels on GPU, Mosaic TPU on TPU and the reference on CPU;
+      decode or ragged), "mosaic_gpu", "mosaic_tpu", "xla" (plain ``jnp``, blocked over the
+      batch's pages), "reference" (pure ``jnp``, the oracle). "auto" takes the Triton kernels
+      on GPU, Mosaic TPU on TPU and "xla" on CPU;
       ``kvjax.explain("attention", spec)`` says which implementation runs and why.
     interpret: run a Pallas kernel in interpret mode (on CPU); None: exactly where the kernel
       is not native to the platform.
     layer: with a layered cache (``spec.physical_shape(B, L)``), the layer attended over: a
       Python int or an int32 scalar (traced under jit: one program for every layer). Block ids
       are the layer's own. Read in place (:mod:`kvjax.layers`); attention kernels need an NHD
-      layered cache (``auto`` takes the reference for HND: ``explain(..., layered=True)``).
+      layered cache (``auto`` takes an XLA implementation for HND: ``explain(..., layered=True)``).
 
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding rows and rows with no visible key are 0.

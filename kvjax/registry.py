@@ -398,6 +398,9 @@ WRITE.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:write_kv",
 ATTENTION.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:ragged_paged_attention",
                    supports="pallas_kernels.mosaic_tpu:supports_attention", platforms=("tpu",),
                    interpretable=True)
+# Plain XLA ops (jnp): blocked over keys, gathering only the batch's pages; auto takes it on
+# the CPU. (Other platforms once its tests have run compiled there.)
+ATTENTION.register("xla", "kvjax.xla_attention:unified_attention", platforms=("cpu",), xla=True)
 WRITE.register("reference", "kvjax.reference.cache_update:write_kv", xla=True)
 ATTENTION.register("reference", "kvjax.reference.attention:unified_attention", xla=True)
 READ.register("reference", "kvjax.views:dequantize_stored", xla=True)

@@ -14,10 +14,11 @@ SPEC = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16)
 
 @pytest.mark.parametrize("op", ["write", "attention", "read"])
 def test_auto_per_platform(op):
-  """auto: the reference on CPU (never an interpret-mode kernel), the Triton kernels on GPU,
-  and on a TPU the reference until a TPU backend registers (never a Triton kernel)."""
+  """auto: on CPU the XLA attention and the reference write/read (never an interpret-mode
+  kernel), the Triton kernels on GPU, and on a TPU never a Triton kernel."""
   cpu = kvjax.explain(op, SPEC, platform="cpu")
-  assert (cpu.name, cpu.interpret) == ("reference", False)
+  on_cpu = "xla" if op == "attention" else "reference"
+  assert (cpu.name, cpu.interpret) == (on_cpu, False)
   assert ("pallas", "runs compiled on gpu, not cpu") in cpu.skipped
   gpu = kvjax.explain(op, SPEC, platform="gpu")
   assert (gpu.name, gpu.interpret) == ("pallas", False)
@@ -25,7 +26,7 @@ def test_auto_per_platform(op):
   assert [name for name, _ in gpu.skipped] == (["mosaic_gpu"] if op == "attention" else [])
   tpu = kvjax.explain(op, SPEC, platform="tpu")
   assert tpu.name != "pallas"
-  assert str(cpu).startswith(f"{op} on cpu: reference (compiled)")
+  assert str(cpu).startswith(f"{op} on cpu: {on_cpu} (compiled)")
 
 
 def test_named_implementations_and_interpret():
@@ -127,7 +128,7 @@ def test_ops_decide_for_the_platform_their_cache_is_on(rng, monkeypatch):
   want = kvjax.write_kv(cache, key, value, slots, spec, impl="reference")
   q, acache, meta, _, _ = build_batch(rng, spec, [3, 1], [4, 9], 4)
   q, acache, meta = jax.device_put((q, acache, meta), cpu)
-  want_out = kvjax.unified_attention(q, acache, spec, scale=0.2, impl="reference", **meta)
+  want_out = kvjax.unified_attention(q, acache, spec, scale=0.2, impl="xla", **meta)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert registry.platform() == "gpu" and registry.platform_of(np.zeros(2)) == "gpu"
   assert registry.platform_of(cache) == "cpu"
@@ -172,7 +173,7 @@ def test_a_jitted_op_lowers_the_branch_of_its_platform(rng, monkeypatch):
   cpu = jax.devices("cpu")[0]
   q, acache, meta, _, _ = build_batch(rng, spec, [3, 1], [4, 9], 4)
   q, acache, meta = jax.device_put((q, acache, meta), cpu)
-  want_out = kvjax.unified_attention(q, acache, spec, scale=0.2, impl="reference", **meta)
+  want_out = kvjax.unified_attention(q, acache, spec, scale=0.2, impl="xla", **meta)
   want_kv = kvjax.read_kv(want, spec, slots[:2], impl="reference")
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(registry, "host_platforms", _platforms_with("gpu"))
