@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.slots import int32_slots
-from kvjax.spec import KVCacheSpec
+from kvjax.spec import KVCacheSpec, MLACacheSpec
 
 _I32 = np.iinfo(np.int32)
 _ARRAYS = (jax.Array, np.ndarray)
@@ -108,7 +108,7 @@ def check_cache(spec: KVCacheSpec, cache, layer=None) -> int:
   """
   if not isinstance(spec, KVCacheSpec):
     mla = " (an MLACacheSpec latent cache is written and read with write_kv / read_kv only; " \
-          "there is no MLA attention)" if type(spec).__name__ == "MLACacheSpec" else ""
+          "there is no MLA attention)" if isinstance(spec, MLACacheSpec) else ""
     raise TypeError(f"spec must be a KVCacheSpec, got {_what(spec)}{mla}")
   if not isinstance(cache, jax.Array):
     hint = " (wrap it once with jnp.asarray)" if isinstance(cache, np.ndarray) else ""

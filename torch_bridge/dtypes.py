@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from kvjax import adapters
 from kvjax.spec import KVCacheSpec
 
 _TORCH_OF_NUMPY = {
@@ -48,8 +49,7 @@ def numpy_dtype(dtype) -> np.dtype:
 
 def stores_fp8(spec: KVCacheSpec) -> bool:
   """Whether the cache stores fp8 elements (vLLM holds such a cache as uint8)."""
-  dt = spec.storage_dtype
-  return dt.itemsize == 1 and jnp.issubdtype(dt, jnp.floating)
+  return adapters.stores_fp8(spec.codec)
 
 
 def cache_torch_dtype(spec: KVCacheSpec, as_uint8: bool = True) -> torch.dtype:
