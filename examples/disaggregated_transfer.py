@@ -113,8 +113,15 @@ def recompute_prefill(request_id, mesh):
   return caches
 
 
+#: Largest difference allowed between the sharded decode's bf16 output and the reference over
+#: an unsharded cache: the bytes are equal, but the summation order over keys may differ (one
+#: bf16 rounding step of values of magnitude about 1).
+ATTENTION_TOL = 2.0 ** -7
+
+
 def check_attention(request_id, layers, mesh):
-  """Decode attention over the sharded decode cache vs one unsharded cache written directly."""
+  """Decode attention over the sharded decode cache vs one unsharded cache written directly:
+  the cache bytes equal, the outputs within :data:`ATTENTION_TOL`."""
   q = jnp.asarray(np.random.default_rng(request_id).standard_normal((1, HQ, D)), jnp.bfloat16)
   meta = dict(query_start_loc=jnp.array([0, 1]), seq_lens=jnp.array([PROMPT]),
               block_table=jnp.asarray([DST_BLOCKS]), scale=D ** -0.5)
@@ -127,7 +134,7 @@ def check_attention(request_id, layers, mesh):
     ref = kvjax.unified_attention(q, direct, SPEC, impl="reference", **meta)
     worst = max(worst, float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))))
     same = np.array_equal(np.asarray(cache).view(np.uint8), np.asarray(direct).view(np.uint8))
-    assert same and worst == 0.0, (request_id, layer, same, worst)
+    assert same and worst <= ATTENTION_TOL, (request_id, layer, same, worst)
   return worst
 
 
@@ -177,7 +184,7 @@ def main():
       worst = check_attention(request_id, layers, mesh)
       print(f"request {request_id}: {how}")
       print(f"request {request_id}: decode cache byte-exact vs direct write, attention max |err| = "
-            f"{worst:.3g}")
+            f"{worst:.3g} (tolerance {ATTENTION_TOL:.3g}): ok")
   finally:
     if prefill.poll() is None:
       prefill.kill()
