@@ -30,8 +30,8 @@ def _decode_kernel_reason(spec, q_dtype, num_tokens, num_seqs, num_q_heads, max_
 def prefer_attention(spec, q_dtype, call):
   """The auto rule (registry ``prefer``): None when ``auto`` should take Mosaic GPU.
 
-  Decode batches the decode kernel runs: where :data:`.tuning.AUTO_DECODE` says it is faster than
-  the Triton decode kernel. Other batches: the ragged kernel's rule
+  Decode batches the decode kernel runs: where :data:`.tuning.AUTO_DECODE` says it is faster
+  than the Triton decode kernel. Other batches: the ragged kernel's rule
   (:func:`.ragged_attention.prefer_attention`)."""
   if call is not None and RB.is_decode_batch(call.num_tokens, call.num_seqs,
                                              call.max_query_len):

@@ -90,16 +90,15 @@ def platform_reason() -> str | None:
 def prefer_attention(spec, q_dtype, call) -> str | None:
   """The auto rule (registry ``prefer``): None when ``auto`` should take this kernel.
 
-  Yes for a batch with a static ``max_query_len >= tuning.AUTO_MIN_QUERY_LEN`` and a GQA group the
-  kernel packs; on a quantized cache only where the plain copy of its pages pays
+  Yes for a batch with a static ``max_query_len >= tuning.AUTO_MIN_QUERY_LEN`` and a GQA group
+  the kernel packs; on a quantized cache only where the plain copy of its pages pays
   (:func:`kvjax.plain_copy.worth_a_plain_copy`)."""
   if call is None or call.max_query_len is None:
     return ("auto takes it only for a static max_query_len >= "
             f"{MT.AUTO_MIN_QUERY_LEN} (the call gives none)")
   if call.max_query_len < MT.AUTO_MIN_QUERY_LEN:
     return (f"max_query_len={call.max_query_len} < {MT.AUTO_MIN_QUERY_LEN}: the Triton "
-            "kernels "
-            "are faster there (measured)")
+            "kernels are faster there (measured)")
   reason = spec_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
   if reason is not None:
     return reason

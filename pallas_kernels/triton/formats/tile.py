@@ -71,9 +71,10 @@ class TileFormat:
 
   @property
   def precision(self):
-    """Dot precision, with :func:`~pallas_kernels.common.compute_dtype` the one rule for every kernel: None, so
-    float32 dots follow JAX's matmul-precision setting (``jax.default_matmul_precision``;
-    the torch facade maps torch's float32 matmul precision onto it)."""
+    """Dot precision, with :func:`~pallas_kernels.common.compute_dtype` the one rule for every
+    kernel: None, so float32 dots follow JAX's matmul-precision setting
+    (``jax.default_matmul_precision``; the torch facade maps torch's float32 matmul precision
+    onto it)."""
     return None
 
   def part_cols(self, part: int):
