@@ -3,10 +3,11 @@
   python examples/disaggregated_transfer.py
 
 A prefill process (TP=2) writes two requests' prompt K/V into head-sharded caches and offers
-each layer's pages (kvjax.transfer.remote.offer_request). For each request it answers the
-router with the server address and one capability token per layer; the router forwards that
-message to the decode process (this one, TP=4), which pulls the pages by token into its own
-caches at its own block ids (pull_request, bounded by timeout_s).
+each request's pages of all layers at once (kvjax.transfer.remote.offer_request_layers). For
+each request it answers the router with the server address and one capability token; the
+router forwards that message to the decode process (this one, TP=4), which pulls every layer's
+pages by that token, in one pull round, into its own caches at its own block ids
+(pull_request_layers, bounded by timeout_s).
 
 - Request 1: the pull succeeds; the decode side tells the prefill side (through the router)
   that it is done, and the prefill side releases the offer at once instead of at its TTL.
@@ -70,20 +71,23 @@ def prefill_process():
   for line in sys.stdin:   # EOF ends the process
     cmd = json.loads(line)
     if "prefill" in cmd:
-      request_id, tokens = cmd["prefill"], []
+      request_id, layers = cmd["prefill"], []
       for layer in range(LAYERS):
         cache = SPEC.allocate(BLOCKS, sharding=KS.cache_sharding(mesh, SPEC))
         cache = KS.sharded_write_kv(cache, *prompt_kv(request_id, layer), slots(SRC_BLOCKS),
                                     SPEC, mesh)
-        offer = remote.offer_request(server, KS.rank_caches(cache, SPEC, mesh), SRC_BLOCKS,
-                                     ttl_s=OFFER_TTL_S)
-        offers.setdefault(request_id, []).append(offer)
-        tokens.append(offer.token)
-      # The answer to the router: where the pages are and the capabilities to take them.
-      answer = {"request_id": request_id, "address": server.address(), "tokens": tokens,
-                "remote_tp_size": P_TP, "num_pages": len(SRC_BLOCKS)}
+        layers.append(KS.rank_caches(cache, SPEC, mesh))
+      # One offer of every layer's pages: per prefill rank, its caches of all layers.
+      rank_layers = [[layers[l][s] for l in range(LAYERS)] for s in range(P_TP)]
+      offer = remote.offer_request_layers(server, rank_layers, SRC_BLOCKS,
+                                          spec=KS.shard_spec(SPEC, P_TP), ttl_s=OFFER_TTL_S)
+      offers[request_id] = offer
+      # The answer to the router: where the pages are and the capability to take them.
+      answer = {"request_id": request_id, "address": server.address(), "token": offer.token,
+                "num_layers": LAYERS, "remote_tp_size": P_TP, "num_pages": len(SRC_BLOCKS)}
     else:   # the decode side is done with the request: free its pages now, not at the TTL
-      for offer in offers.pop(cmd["done"], []):
+      offer = offers.pop(cmd["done"], None)
+      if offer is not None:
         offer.release()
       answer = {"live_offers": remote.live_offers().count}
     print(json.dumps(answer), flush=True)
@@ -91,16 +95,15 @@ def prefill_process():
 
 # -- decode process (and the router's part) ---------------------------------------------------
 def pull_layers(server, msg, rank_spec, devices):
-  """Every layer's pages of a request into fresh per-rank decode caches (TimeoutError/PullError
-  if the prefill side cannot deliver)."""
-  layers = []
-  for token in msg["tokens"]:
-    caches = [jax.device_put(rank_spec.allocate(BLOCKS), d) for d in devices]
-    caches, _ = remote.pull_request(server, msg["address"], caches, rank_spec, DST_BLOCKS,
-                                    token=token, remote_tp_size=msg["remote_tp_size"],
-                                    total_num_kv_heads=H, timeout_s=PULL_TIMEOUT_S)
-    layers.append(caches)
-  return layers
+  """Every layer's pages of a request, by its one token in one pull round, into fresh per-rank
+  decode caches; per layer, the rank caches (TimeoutError/PullError if the prefill side cannot
+  deliver)."""
+  rank_layers = [[jax.device_put(rank_spec.allocate(BLOCKS), d) for _ in range(msg["num_layers"])]
+                 for d in devices]
+  rank_layers, _ = remote.pull_request_layers(
+      server, msg["address"], rank_layers, rank_spec, DST_BLOCKS, token=msg["token"],
+      remote_tp_size=msg["remote_tp_size"], total_num_kv_heads=H, timeout_s=PULL_TIMEOUT_S)
+  return [[rank_layers[r][l] for r in range(len(devices))] for l in range(msg["num_layers"])]
 
 
 def recompute_prefill(request_id, mesh):
@@ -165,8 +168,9 @@ def main():
     for request_id in (1, 2):
       msg = ask(prefill, {"prefill": request_id}, 120)   # the router sends the prompt
       assert msg is not None and msg["request_id"] == request_id, msg
-      print(f"request {request_id}: router got address {msg['address']} and {len(msg['tokens'])} "
-            f"tokens of {len(msg['tokens'][0])} hex digits (not shown: they are capabilities)")
+      print(f"request {request_id}: router got address {msg['address']} and one token of "
+            f"{len(msg['token'])} hex digits for all {msg['num_layers']} layers (not shown: it is "
+            "a capability)")
       if request_id == 2:
         prefill.kill()   # the prefill process dies before the decode side pulls
         prefill.wait(timeout=10)
@@ -174,7 +178,7 @@ def main():
       t0 = time.monotonic()
       try:
         layers = pull_layers(server, msg, rank_spec, devs[:D_TP])
-        how = f"pulled {LAYERS} layers in {time.monotonic() - t0:.2f} s"
+        how = f"pulled {LAYERS} layers in one pull round in {time.monotonic() - t0:.2f} s"
         live = ask(prefill, {"done": request_id}, 30)   # via the router
         how += f"; prefill side released them (live offers there now: {live['live_offers']})"
       except (TimeoutError, remote.PullError) as e:

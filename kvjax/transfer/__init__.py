@@ -5,6 +5,8 @@
 - :mod:`~kvjax.transfer.plan`: byte read plans within a page (:func:`plan_reads`) and
   per-(region, block) descriptors.
 - :mod:`~kvjax.transfer.execute`: running plans between device groups in one process.
+- :mod:`~kvjax.transfer.all_layers`: a request's pages of every layer as one byte row per block
+  (what one remote pull of all layers moves).
 - :mod:`~kvjax.transfer.remote`: the same across processes over ``jax.experimental.transfer``
   (imported lazily: ``from kvjax.transfer import remote``).
 """

@@ -126,14 +126,22 @@ def receive_into(cache, spec, sources: Dict[int, jax.Array], reads, dst_block_id
   permute: NHD pages -> HND before the reads, back to NHD after (needs ``remote_spec``).
   Returns the new cache (``cache`` is donated).
   """
-  dev = _device_of(cache)
+  pages = receive_pages(_device_of(cache), spec, sources, reads, permute=permute,
+                        remote_spec=remote_spec)
+  return scatter_page_bytes(cache, pages, np.asarray(dst_block_ids, np.int32))
+
+
+def receive_pages(dev, spec, sources: Dict[int, jax.Array], reads, *, permute: bool,
+                  remote_spec=None) -> jax.Array:
+  """The local pages (uint8 ``[n, spec.page_bytes]`` on ``dev``) that received remote byte
+  pages (remote rank -> uint8 ``[n, remote_page_bytes]``) assemble to by ``reads``."""
   sources = {k: jax.device_put(v, dev) for k, v in sources.items()}
   if permute:
     sources = {k: permute_page_bytes(v, remote_spec, "HND") for k, v in sources.items()}
   pages = assemble_pages(sources, reads)
   if permute:
     pages = permute_page_bytes(pages, hnd_twin(spec), "NHD")
-  return scatter_page_bytes(cache, pages, np.asarray(dst_block_ids, np.int32))
+  return pages
 
 
 def storage_dtype(spec) -> np.dtype:
@@ -245,4 +253,4 @@ def slice_reads(pages, reads):
 
 __all__ = ["to_bytes", "from_bytes", "gather_page_bytes", "scatter_page_bytes", "assemble_pages",
            "hnd_twin", "permute_page_bytes", "needs_permute", "rank_plan", "receive_into",
-           "transfer_blocks", "compact_reads", "slice_reads"]
+           "receive_pages", "transfer_blocks", "compact_reads", "slice_reads"]

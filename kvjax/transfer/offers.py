@@ -65,16 +65,19 @@ class Offer:
     token: the capability (16 hex digits). Whoever holds it and can reach the server can
       take the pages once; it is left out of ``repr``.
     ranks: the prefill ranks offered, ascending.
-    num_pages, page_bytes: each rank's array is uint8 ``[num_pages, page_bytes]``.
+    num_pages, page_bytes: each rank's array is uint8 ``[num_pages, num_layers * page_bytes]``.
+    num_layers: layers per page row (1 for :func:`~kvjax.transfer.remote.offer_request`; L for
+      ``offer_request_layers``: row i holds block i's pages of layers 0..L-1 in order).
     ttl_s: seconds after the offer at which the pages are released if still offered.
     arrays: rank -> its page array while live; empty once released.
   """
 
-  def __init__(self, token: str, arrays: Dict[int, jax.Array], ttl_s: float):
+  def __init__(self, token: str, arrays: Dict[int, jax.Array], ttl_s: float, num_layers: int = 1):
     first = next(iter(arrays.values()))
     self.token = token
     self.ranks: Tuple[int, ...] = tuple(sorted(arrays))
-    self.num_pages, self.page_bytes = int(first.shape[0]), int(first.shape[1])
+    self.num_layers = int(num_layers)
+    self.num_pages, self.page_bytes = int(first.shape[0]), int(first.shape[1]) // self.num_layers
     self.ttl_s = float(ttl_s)
     self.expires_at = math.inf   # set when tracked
     self.arrays: Dict[int, jax.Array] = dict(arrays)
@@ -102,8 +105,8 @@ class Offer:
   def __repr__(self) -> str:
     left = self.expires_at - time.monotonic()
     state = "released" if self.released else f"live, expires in {left:.1f} s"
-    return (f"Offer(ranks={self.ranks}, num_pages={self.num_pages}, page_bytes={self.page_bytes}, "
-            f"{state})")
+    return (f"Offer(ranks={self.ranks}, num_layers={self.num_layers}, num_pages={self.num_pages}, "
+            f"page_bytes={self.page_bytes}, {state})")
 
 
 class _Registry:
@@ -156,14 +159,14 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
-def new_offer(arrays: Dict[int, jax.Array], ttl_s: float) -> Offer:
+def new_offer(arrays: Dict[int, jax.Array], ttl_s: float, num_layers: int = 1) -> Offer:
   """An :class:`Offer` of ``arrays`` under a fresh token whose transfer ids collide with no
   live offer's; not live until :func:`track`."""
   busy = _REGISTRY.ids_in_use()
   for _ in range(4):   # a collision has probability ~ (#live ids) / 2**64
     token = new_token()
     if not any(transfer_id(token, r) in busy for r in arrays):
-      return Offer(token, arrays, ttl_s)
+      return Offer(token, arrays, ttl_s, num_layers)
   raise RuntimeError("could not draw a token whose transfer ids are free")
 
 

@@ -8,6 +8,8 @@ token by the serving router, *pulls* (:func:`pull_request`) exactly the source r
 read plans name, each once, onto the first decode device that needs it, then applies
 the plans and scatters the pages into its caches at its own block ids (as
 :func:`kvjax.transfer.transfer_blocks` does within one process).
+:func:`offer_request_layers` / :func:`pull_request_layers` do the same for a request's pages
+of every layer under one token, in one pull round (:mod:`kvjax.transfer.all_layers`).
 
 Facts of the transfer engine (checked on jax 0.10.2, CPU), which shape this module:
 
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import spec as S
+from kvjax.transfer import all_layers as AL
 from kvjax.transfer import execute as E
 from kvjax.transfer import plan as PL
 from kvjax.transfer import topology as T
@@ -140,20 +143,68 @@ def offer_request(server, prefill_caches: Sequence[jax.Array], block_ids, *,
   ttl_s = _check_seconds("ttl_s", ttl_s)
   if not prefill_caches:
     raise ValueError("prefill_caches must be non-empty")
+  ids = _offered_block_ids(block_ids, min(int(c.shape[0]) for c in prefill_caches))
+  arrays = {s: E.gather_page_bytes(prefill_caches[s], ids)
+            for s in _offered_ranks(ranks, len(prefill_caches))}
+  return _serve(server, arrays, ttl_s, num_layers=1)
+
+
+def offer_request_layers(server, prefill_rank_layers: Sequence[AL.RankLayers], block_ids, *,
+                         spec=None, ranks: Optional[Sequence[int]] = None,
+                         ttl_s: float = DEFAULT_TTL_S) -> Offer:
+  """Offer a request's pages of **all layers** under one token: one pull per prefill rank.
+
+  Args:
+    server: this process's transfer server (:func:`start_server`).
+    prefill_rank_layers: per prefill rank (P of them, each on its device), that rank's caches
+      of every layer: a list of L one-layer caches, or one layered array
+      (``spec.physical_shape(B, L)``, :mod:`kvjax.layers`).
+    block_ids: the request's prefill block ids (the same in every layer).
+    spec: the prefill per-rank spec (checks the caches; needed for layered arrays).
+    ranks, ttl_s: as :func:`offer_request`.
+  Returns:
+    The live :class:`Offer` (``num_layers`` = L); each rank's pages are one uint8 array
+    ``[n, L * page_bytes]`` (:mod:`kvjax.transfer.all_layers`), served once.
+  """
+  ttl_s = _check_seconds("ttl_s", ttl_s)
+  if not prefill_rank_layers:
+    raise ValueError("prefill_rank_layers must be non-empty")
+  if spec is not None:
+    num_layers, num_blocks = AL.check_rank_layers("prefill", prefill_rank_layers, spec)
+  else:
+    if any(AL.is_layered(x) for x in prefill_rank_layers):
+      raise ValueError("layered prefill caches need spec= (their layer axis depends on the "
+                       "layout)")
+    num_layers = len(prefill_rank_layers[0])
+    num_blocks = min(int(c.shape[0]) for x in prefill_rank_layers for c in x)
+    if any(len(x) != num_layers for x in prefill_rank_layers):
+      raise ValueError("prefill ranks disagree on the number of layers")
+  ids = _offered_block_ids(block_ids, num_blocks)
+  arrays = {s: AL.gather_layers(prefill_rank_layers[s], ids, spec)
+            for s in _offered_ranks(ranks, len(prefill_rank_layers))}
+  return _serve(server, arrays, ttl_s, num_layers=num_layers)
+
+
+def _offered_block_ids(block_ids, num_blocks: int) -> np.ndarray:
   if np.size(block_ids) == 0:
     raise ValueError("block_ids must name at least one block")
-  ids = PL._check_block_ids("block_ids", block_ids,
-                            min(int(c.shape[0]) for c in prefill_caches))
-  ranks = range(len(prefill_caches)) if ranks is None else ranks
-  arrays = {}
+  return PL._check_block_ids("block_ids", block_ids, num_blocks).astype(np.int32)
+
+
+def _offered_ranks(ranks, p: int) -> List[int]:
+  ranks = list(range(p) if ranks is None else ranks)
   for s in ranks:
-    if not 0 <= s < len(prefill_caches):
-      raise ValueError(f"rank {s} is not a prefill rank of {len(prefill_caches)}")
-    arrays[int(s)] = E.gather_page_bytes(prefill_caches[s], ids.astype(np.int32))
-  if not arrays:
+    if not 0 <= s < p:
+      raise ValueError(f"rank {s} is not a prefill rank of {p}")
+  if not ranks:
     raise ValueError("ranks must name at least one prefill rank")
+  return sorted({int(s) for s in ranks})
+
+
+def _serve(server, arrays: Dict[int, jax.Array], ttl_s: float, num_layers: int) -> Offer:
+  """Offer each rank's gathered pages once under a fresh token; live until released or TTL."""
   jax.block_until_ready(list(arrays.values()))
-  offer = new_offer(arrays, ttl_s)
+  offer = new_offer(arrays, ttl_s, num_layers)
   expiry = _deadline_datetime(ttl_s)   # the server drops its entries then, too
   try:
     for s, a in arrays.items():
@@ -227,28 +278,13 @@ def pull_request(server, address: str, decode_caches: Sequence[jax.Array], spec,
   timeout_s = _check_seconds("timeout_s", timeout_s)
   deadline = time.monotonic() + timeout_s
   check_token(token)
-  mla = is_mla or isinstance(spec, S.MLACacheSpec)
-  d = len(decode_caches)
-  if d == 0:
+  if not decode_caches:
     raise ValueError("decode_caches must be non-empty")
-  rspec = spec if mla else T.remote_spec(spec, remote_tp_size, total_num_kv_heads)
   E.check_rank_caches("decode", decode_caches, spec)
-  if np.size(dst_block_ids) == 0:
-    raise ValueError("dst_block_ids must name at least one block")
-  dst = E._check_block_ids_distinct(dst_block_ids, decode_caches[0].shape[0])
-  plans = [E.rank_plan(spec, tp_rank=r, tp_size=d, remote_tp_size=remote_tp_size,
-                       total_num_kv_heads=total_num_kv_heads, is_mla=mla) for r in range(d)]
-  conn = server.connect(address)
-  server_deadline = _deadline_datetime(timeout_s + 1.0)   # lets the peer drop a stale request
-  pulled: Dict[int, jax.Array] = {}
-  for r, (reads, _) in enumerate(plans):
-    dev = E._device_of(decode_caches[r])
-    for s in sorted({x.remote_rank for x in reads}):
-      if s not in pulled:
-        want = jax.ShapeDtypeStruct((dst.size, rspec.page_bytes), jnp.uint8,
-                                    sharding=jax.sharding.SingleDeviceSharding(dev))
-        pulled[s] = conn.pull(transfer_id(token, s), [want], timeout=server_deadline)[0]
-  _await_pulls(conn, pulled, deadline, address, timeout_s)
+  dst = _dst_ids(dst_block_ids, decode_caches[0].shape[0])
+  plans, rspec = _plans(spec, len(decode_caches), remote_tp_size, total_num_kv_heads, is_mla)
+  pulled = _pull_rows(server, address, token, plans, [E._device_of(c) for c in decode_caches],
+                      (dst.size, rspec.page_bytes), deadline, timeout_s)
   out = []
   for r, (reads, permute) in enumerate(plans):
     sources = {s: pulled[s] for s in {x.remote_rank for x in reads}}
@@ -257,6 +293,83 @@ def pull_request(server, address: str, decode_caches: Sequence[jax.Array], spec,
   return out, sorted(pulled)
 
 
+def pull_request_layers(server, address: str, decode_rank_layers: Sequence[AL.RankLayers], spec,
+                        dst_block_ids, *, token: str, remote_tp_size: int,
+                        total_num_kv_heads: int, is_mla: bool = False,
+                        timeout_s: float = DEFAULT_TIMEOUT_S):
+  """Pull a request's pages of all layers (an :func:`offer_request_layers` token) in one round.
+
+  One connection; one pull per source rank the read plans name, all in flight together and
+  bounded by one deadline; nothing is written until every layer's pages have arrived.
+
+  Args:
+    decode_rank_layers: per decode rank (D, each on its device), that rank's caches of every
+      layer: a list of L one-layer caches of ``spec``, or one layered array
+      (``spec.physical_shape(B, L)``). L must equal the offer's.
+    spec, dst_block_ids, token, remote_tp_size, total_num_kv_heads, is_mla, timeout_s: as
+      :func:`pull_request` (one set of block ids for every layer).
+  Returns:
+    (per decode rank, its new caches in the form given; the remote ranks pulled). The caches
+    are donated only once every page has arrived.
+  Raises:
+    TimeoutError, PullError: as :func:`pull_request` (also when the offer holds another
+    number of layers: the sizes disagree); ``decode_rank_layers`` are then unchanged.
+  """
+  timeout_s = _check_seconds("timeout_s", timeout_s)
+  deadline = time.monotonic() + timeout_s
+  check_token(token)
+  num_layers, num_blocks = AL.check_rank_layers("decode", decode_rank_layers, spec)
+  dst = _dst_ids(dst_block_ids, num_blocks)
+  plans, rspec = _plans(spec, len(decode_rank_layers), remote_tp_size, total_num_kv_heads,
+                        is_mla)
+  devices = [AL.device_of(x) for x in decode_rank_layers]
+  pb = rspec.page_bytes
+  pulled = _pull_rows(server, address, token, plans, devices, (dst.size, num_layers * pb),
+                      deadline, timeout_s)
+  out = []
+  for r, (reads, permute) in enumerate(plans):
+    ranks = {x.remote_rank for x in reads}
+    pages = [E.receive_pages(devices[r], spec, {s: AL.layer_pages(pulled[s], l, pb)
+                                                for s in ranks},
+                             reads, permute=permute, remote_spec=rspec)
+             for l in range(num_layers)]
+    out.append(AL.scatter_layers(decode_rank_layers[r], pages, dst, spec))
+  return out, sorted(pulled)
+
+
+def _dst_ids(dst_block_ids, num_blocks: int) -> np.ndarray:
+  if np.size(dst_block_ids) == 0:
+    raise ValueError("dst_block_ids must name at least one block")
+  return E._check_block_ids_distinct(dst_block_ids, num_blocks)
+
+
+def _plans(spec, d: int, remote_tp_size: int, total_num_kv_heads: int, is_mla: bool):
+  """(per decode rank (reads, permute), the remote per-rank spec)."""
+  mla = is_mla or isinstance(spec, S.MLACacheSpec)
+  rspec = spec if mla else T.remote_spec(spec, remote_tp_size, total_num_kv_heads)
+  plans = [E.rank_plan(spec, tp_rank=r, tp_size=d, remote_tp_size=remote_tp_size,
+                       total_num_kv_heads=total_num_kv_heads, is_mla=mla) for r in range(d)]
+  return plans, rspec
+
+
+def _pull_rows(server, address: str, token: str, plans, devices, shape, deadline: float,
+               timeout_s: float) -> Dict[int, jax.Array]:
+  """Pull each source rank the plans read, once, as uint8 ``shape`` onto the first decode
+  device that reads it; all over one connection, awaited together (:func:`_await_pulls`)."""
+  conn = server.connect(address)
+  server_deadline = _deadline_datetime(timeout_s + 1.0)   # lets the peer drop a stale request
+  pulled: Dict[int, jax.Array] = {}
+  for (reads, _), dev in zip(plans, devices):
+    for s in sorted({x.remote_rank for x in reads}):
+      if s not in pulled:
+        want = jax.ShapeDtypeStruct(shape, jnp.uint8,
+                                    sharding=jax.sharding.SingleDeviceSharding(dev))
+        pulled[s] = conn.pull(transfer_id(token, s), [want], timeout=server_deadline)[0]
+  _await_pulls(conn, pulled, deadline, address, timeout_s)
+  return pulled
+
+
 __all__ = ["start_server", "is_loopback", "needed_remote_ranks", "Offer", "LiveOffers",
-           "offer_request", "pull_request", "live_offers", "PullError", "DEFAULT_TTL_S",
+           "offer_request", "pull_request", "offer_request_layers", "pull_request_layers",
+           "live_offers", "PullError", "DEFAULT_TTL_S",
            "DEFAULT_TIMEOUT_S"]

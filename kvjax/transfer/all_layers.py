@@ -1,0 +1,121 @@
+"""A request's pages of every layer as one byte row per block (the wire form of one pull).
+
+A rank's KV of all layers is either a list of L one-layer caches (each of the per-rank spec's
+``physical_shape(B)``) or one layered (cross-layer) array, ``spec.physical_shape(B, L)``
+(:mod:`kvjax.layers`). Either way a request's n blocks travel as uint8
+``[n, L * page_bytes]``: row i is block i's page of layer 0, then layer 1, ... (each
+``page_bytes`` long, the one-layer page). In an NHD layered array that row is one contiguous
+run of the array (the layer axis follows the block axis); an HND layered array's layer axis is
+moved next to the block axis in the gather and back in the scatter.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.transfer import execute as E
+
+#: A rank's caches of all layers: L one-layer arrays, or one layered array.
+RankLayers = Union[Sequence[jax.Array], jax.Array]
+
+
+def is_layered(layers: RankLayers) -> bool:
+  """True for one layered (5-D) array, False for a list of one-layer caches."""
+  return hasattr(layers, "ndim")
+
+
+def check_rank_layers(side: str, rank_layers: Sequence[RankLayers], spec) -> Tuple[int, int]:
+  """Validate every rank's caches of all layers against the per-rank ``spec``; (L, B).
+
+  Every rank must hold the same number of layers L >= 1 and blocks B; a layered array must be
+  ``spec.physical_shape(B, L)`` (formats without a layered form are refused by the spec).
+  """
+  if not rank_layers:
+    raise ValueError(f"{side} rank caches must be non-empty")
+  shapes = []
+  for r, layers in enumerate(rank_layers):
+    if is_layered(layers):
+      if not hasattr(spec, "blocks_and_layers"):
+        raise ValueError(f"{type(spec).__name__} caches have no layered form: pass a list of "
+                         "one-layer caches")
+      b, num_layers = spec.blocks_and_layers(layers)
+      if num_layers is None:
+        raise ValueError(f"{side} rank {r}: a 4-D array is one layer; pass [cache] for one layer "
+                         "or a layered array of all layers")
+    else:
+      layers = list(layers)
+      if not layers:
+        raise ValueError(f"{side} rank {r} has no layers")
+      E.check_rank_caches(f"{side} rank {r}: layer", layers, spec)
+      b, num_layers = int(layers[0].shape[0]), len(layers)
+    shapes.append((num_layers, int(b)))
+  if len(set(shapes)) != 1:
+    raise ValueError(f"{side} ranks disagree on (layers, blocks): {shapes}")
+  return shapes[0]
+
+
+def device_of(layers: RankLayers) -> jax.Device:
+  """The one device a rank's caches live on."""
+  arrays = [layers] if is_layered(layers) else list(layers)
+  devs = {E._device_of(a) for a in arrays}
+  if len(devs) != 1:
+    raise ValueError(f"a rank's layers must live on one device, got {sorted(map(str, devs))}")
+  return devs.pop()
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _gather_layered(cache, block_ids, layer_axis: int):
+  return E.to_bytes(jnp.moveaxis(cache[block_ids], layer_axis, 1))
+
+
+@jax.jit
+def _gather_list(caches, block_ids):
+  return jnp.concatenate([E.to_bytes(c[block_ids]) for c in caches], axis=1)
+
+
+def gather_layers(layers: RankLayers, block_ids, spec=None) -> jax.Array:
+  """Blocks ``block_ids`` (int32 ``[n]``) of every layer: uint8 ``[n, L * page_bytes]``.
+
+  ``spec`` (the per-rank spec) is needed for a layered array: where its layer axis is.
+  """
+  ids = np.asarray(block_ids, np.int32)
+  if is_layered(layers):
+    if spec is None:
+      raise ValueError("a layered cache needs spec= (its layer axis depends on the layout)")
+    return _gather_layered(layers, ids, spec.layer_axis)
+  return _gather_list(list(layers), ids)
+
+
+def layer_pages(rows: jax.Array, layer: int, page_bytes: int) -> jax.Array:
+  """Layer ``layer``'s pages (uint8 ``[n, page_bytes]``) of rows ``[n, L * page_bytes]``."""
+  return jax.lax.slice_in_dim(rows, layer * page_bytes, (layer + 1) * page_bytes, axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=0)
+def _scatter_layered(cache, pages, block_ids, layer_axis: int):
+  page_shape = list(cache.shape[1:])
+  num_layers = page_shape.pop(layer_axis - 1)
+  x = E.from_bytes(jnp.concatenate(pages, axis=1), (num_layers, *page_shape), cache.dtype)
+  return cache.at[block_ids].set(jnp.moveaxis(x, 1, layer_axis))
+
+
+def scatter_layers(layers: RankLayers, pages: Sequence[jax.Array], block_ids,
+                   spec=None) -> RankLayers:
+  """Write each layer's pages (``pages[l]``: uint8 ``[n, page_bytes]``) at ``block_ids``.
+
+  Returns the rank's new caches in the form given (a list, or one layered array); the given
+  arrays are donated.
+  """
+  ids = np.asarray(block_ids, np.int32)
+  if is_layered(layers):
+    return _scatter_layered(layers, list(pages), ids, spec.layer_axis)
+  out: List[jax.Array] = [E.scatter_page_bytes(c, p, ids) for c, p in zip(layers, pages)]
+  return out
+
+
+__all__ = ["RankLayers", "is_layered", "check_rank_layers", "device_of", "gather_layers",
+           "layer_pages", "scatter_layers"]
