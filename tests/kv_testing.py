@@ -232,3 +232,22 @@ def nonfinite_spread(cache_dtype: str, head_size: int, col: int):
       "int4_per_token_head": (row, row),
       "nvfp4": (group, set()),                 # Inf: the group's scale saturates, stays finite
   }[cache_dtype]
+
+
+def assert_step_lowers_for_cuda(step, traced, params, caches):
+  """A serving example's jitted step (``step(params, caches, tokens, scales, md,
+  max_query_len=...)``) lowers for CUDA on this machine with the Triton cache write and
+  attention in it, for a decode (4 tokens, query length 1) and a 16-token prefill, each one
+  traced program."""
+  from jax import export   # noqa: PLC0415
+  allow = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  i32 = lambda *shape: np.zeros(shape, np.int32)
+  for t, max_query_len in ((4, 1), (16, 16)):        # decode kernel, ragged kernel
+    md = dict(query_start_loc=i32(5), seq_lens=i32(4), block_table=i32(4, 3),
+              slot_mapping=i32(t), positions=i32(t), seq_ids=i32(t))
+    fn = jax.jit(lambda p, c, tok, m, mql=max_query_len: step(p, c, tok, {}, m,
+                                                                 max_query_len=mql))
+    text = export.export(fn, platforms=["cuda"], disabled_checks=allow)(
+        params, caches, i32(t), md).mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") >= 2    # the cache write and the attention
+  assert traced == [(4, 1), (16, 16)]

