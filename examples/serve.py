@@ -58,6 +58,12 @@ import numpy as np
 import kvjax
 from kvjax.paging import BlockAllocator, BlockTables, StepShapes, blocks_for, build_step_metadata
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # examples/: the model package
+from smollm2.model import mm, rms_norm, rope  # noqa: E402  (the Llama layers, shared)
+
+#: The toy model's RMS-norm epsilon.
+RMS_EPS = 1e-6
+
 _HI = jax.lax.Precision.HIGHEST
 # Global scales for caches that take them (fp8 per-tensor, nvfp4); K/V here are O(1).
 TENSOR_SCALES = {"nvfp4": 1 / 64}
@@ -165,26 +171,6 @@ def init_params(rng, cfg: ModelConfig):
   return dict(embed=embed, layers=layers, final_norm=ones(dm), lm_head=w(dm, cfg.vocab))
 
 
-def rms_norm(x, weight, eps=1e-6):
-  x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope(x, positions, theta):
-  """Rotary embedding (rotate-half form) of ``x [T, heads, D]`` at int32 ``positions [T]``."""
-  half = x.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  ang = positions.astype(jnp.float32)[:, None, None] * freq                # [T, 1, D/2]
-  cos, sin = jnp.cos(ang), jnp.sin(ang)
-  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
-
-
-def mm(x, w):
-  return jnp.matmul(x, w, precision=_HI)
-
-
 def hidden_states(params, cfg: ModelConfig, tokens, positions, attend):
   """The transformer body: int32 ``tokens, positions [T]`` -> final hidden ``[T, d_model]``.
 
@@ -194,14 +180,14 @@ def hidden_states(params, cfg: ModelConfig, tokens, positions, attend):
   t, hq, h, d = tokens.shape[0], cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
   x = params["embed"][tokens]
   for i, p in enumerate(params["layers"]):
-    a = rms_norm(x, p["attn_norm"])
+    a = rms_norm(x, p["attn_norm"], RMS_EPS)
     q = rope(mm(a, p["wq"]).reshape(t, hq, d), positions, cfg.rope_theta)
     k = rope(mm(a, p["wk"]).reshape(t, h, d), positions, cfg.rope_theta)
     v = mm(a, p["wv"]).reshape(t, h, d)
     x = x + mm(attend(i, q, k, v).reshape(t, hq * d), p["wo"])
-    m = rms_norm(x, p["mlp_norm"])
+    m = rms_norm(x, p["mlp_norm"], RMS_EPS)
     x = x + mm(jax.nn.silu(mm(m, p["w_gate"])) * mm(m, p["w_up"]), p["w_down"])
-  return rms_norm(x, params["final_norm"])
+  return rms_norm(x, params["final_norm"], RMS_EPS)
 
 
 def logits_of(params, hidden):
