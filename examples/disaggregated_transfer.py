@@ -1,6 +1,12 @@
-"""Disaggregated prefill/decode across two processes on simulated CPU devices, over loopback.
+"""Disaggregated prefill/decode across two processes, over loopback.
 
-  python examples/disaggregated_transfer.py
+  python examples/disaggregated_transfer.py             # simulated CPU devices, TP=2 -> TP=4
+  python examples/disaggregated_transfer.py --one-gpu   # both processes on the first GPU
+
+Without ``--one-gpu`` both processes run on 8 simulated CPU devices and the pages travel over
+the socket transport. With it, both run on the first GPU (TP=1 each; the GPU's memory is not
+preallocated, so the two share it) and the pages travel over CUDA IPC: the decode side reads
+them in place in device memory.
 
 A prefill process (TP=2) writes two requests' prompt K/V into head-sharded caches and offers
 each request's pages of all layers at once (kvjax.transfer.remote.offer_request_layers). For
@@ -12,23 +18,27 @@ pages by that token, in one pull round, into its own caches at its own block ids
 - Request 1: the pull succeeds; the decode side tells the prefill side (through the router)
   that it is done, and the prefill side releases the offer at once instead of at its TTL.
 - Request 2: the prefill process dies after answering the router. The pull raises
-  TimeoutError, the decode caches stay as they were, and the decode side recomputes the
+  TimeoutError or PullError, the decode caches stay as they were, and the decode side recomputes the
   request's prefill itself.
 Both requests' decode attention is checked against attention over one unsharded cache
 written directly. See docs/transfers.md for the trust model.
 """
 import os
+import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # 8 CPU devices
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ONE_GPU = "--one-gpu" in sys.argv
+if ONE_GPU:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # two processes, one GPU
+else:
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
 import selectors  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -41,7 +51,9 @@ from kvjax import sharding as KS  # noqa: E402
 from kvjax.transfer import remote  # noqa: E402
 
 H, HQ, D, N = 4, 16, 64, 16            # KV heads, query heads, head size, block size
-P_TP, D_TP, LAYERS, BLOCKS = 2, 4, 2, 8
+P_TP, D_TP = (1, 1) if ONE_GPU else (2, 4)
+TRANSPORT = "cuda_ipc" if ONE_GPU else "socket"
+LAYERS, BLOCKS = 2, 8
 PROMPT = 45                            # tokens: 3 blocks, the last partial
 LAYOUT, CACHE_DTYPE = "HND", "fp8_per_token_head"
 SRC_BLOCKS, DST_BLOCKS = np.array([5, 0, 3]), np.array([2, 7, 4])
@@ -65,7 +77,8 @@ def prompt_kv(request_id, layer):
 def prefill_process():
   """Serves the router's lines on stdin: ``{"prefill": id}`` and ``{"done": id}``."""
   signal.alarm(120)   # never outlive the example
-  server = remote.start_server()   # 127.0.0.1; another host needs allow_remote=True
+  server = remote.start_server(transport=TRANSPORT)   # 127.0.0.1 (socket: allow_remote=True
+                                                      # binds beyond this host)
   mesh = Mesh(np.asarray(jax.devices()[:P_TP]), ("tp",))
   offers = {}
   for line in sys.stdin:   # EOF ends the process
@@ -157,12 +170,14 @@ def main():
   devs = jax.devices()
   mesh = Mesh(np.asarray(devs[:D_TP]), ("tp",))
   rank_spec = KS.shard_spec(SPEC, D_TP)
-  server = remote.start_server()
-  print(f"prefill TP={P_TP} (another process) -> decode TP={D_TP} on {devs[:D_TP]}")
+  server = remote.start_server(transport=TRANSPORT)
+  print(f"prefill TP={P_TP} (another process) -> decode TP={D_TP} on {devs[:D_TP]}, "
+        f"{TRANSPORT} transport")
   print(f"cache {CACHE_DTYPE} {LAYOUT}, H={H} KV heads, page {rank_spec.page_bytes} B local / "
         f"{KS.shard_spec(SPEC, P_TP).page_bytes} B remote; decode ranks read prefill ranks "
         f"{remote.needed_remote_ranks(D_TP, P_TP, H)}")
-  prefill = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--prefill"],
+  prefill = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--prefill"]
+                             + (["--one-gpu"] if ONE_GPU else []),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
   try:
     for request_id in (1, 2):
@@ -197,7 +212,7 @@ def main():
 
 
 if __name__ == "__main__":
-  if sys.argv[1:] == ["--prefill"]:
+  if "--prefill" in sys.argv[1:]:
     prefill_process()
   else:
     main()

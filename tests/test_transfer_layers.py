@@ -1,6 +1,7 @@
 """One token, one pull round for a request's pages of all layers (offer/pull_request_layers).
 
-In-process over a loopback server: per-layer caches of every cache dtype and layered
+In-process over a loopback server of either transport (the socket transport, and the CUDA IPC
+protocol over host memory standing in for device memory): per-layer caches of every cache dtype and layered
 (cross-layer) caches, in either form on either side, arrive byte-exact at the decode side's
 own block ids; a wrong token times out within its timeout with the caches unchanged; a used
 token, an expired offer and an offer of another layer count are refused.
@@ -15,8 +16,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the _transfer_* helpers
+import _host_ipc_memory as HM
 import _transfer_data as TD
 from kvjax.transfer import remote
+from kvjax.transfer.ipc_transport import IpcServer
 
 LAYERS, TOKENS = 3, 40
 SRC, DST = [6, 2, 4], [1, 7, 0]
@@ -24,9 +27,17 @@ PREFILL_BLOCKS, DECODE_BLOCKS = 8, 9
 SLACK_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def server():
-  return remote.start_server()
+@pytest.fixture(scope="module", params=["socket", "cuda_ipc"])
+def server(request):
+  if request.param == "socket":
+    return remote.start_server()
+  return IpcServer(memory=HM.HostMemory())   # the pull side maps the offer's own memory
+
+
+def _not_offered(server):
+  """What a pull of a token nobody offers raises: the socket transport learns nothing until its
+  deadline; the CUDA IPC server answers at once."""
+  return TimeoutError if server.address().startswith("127.") else remote.PullError
 
 
 def _request(seed, fmt, layout, h, p, d):
@@ -111,7 +122,7 @@ def test_all_layers_token_ttl_and_timeout(rng, server):
   offer = remote.offer_request_layers(server, prefill, SRC, ttl_s=30)
   caches = _decode_caches(poison, dspec, 2, False)
   t0 = time.monotonic()
-  with pytest.raises(TimeoutError, match="did not complete within 1 s"):   # unknown token
+  with pytest.raises(_not_offered(server), match="did not complete within 1 s|no offer"):
     _pull(server, caches, dspec, "0" * 16 if offer.token != "0" * 16 else "1" * 16, 2, 2, 1.0)
   assert time.monotonic() - t0 < 1.0 + SLACK_S
   for layer in range(LAYERS):   # not donated, not written
@@ -126,7 +137,7 @@ def test_all_layers_token_ttl_and_timeout(rng, server):
   for layer in range(LAYERS):
     np.testing.assert_array_equal(TD.as_bytes(got[0][layer]), TD.as_bytes(want[0][layer]))
   fresh = _decode_caches(poison, dspec, 2, False)
-  with pytest.raises(TimeoutError):   # one offer serves one pull
+  with pytest.raises(_not_offered(server)):   # one offer serves one pull
     _pull(server, fresh, dspec, offer.token, 2, 2, 1.0)
   offer.release()
 

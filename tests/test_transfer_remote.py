@@ -8,13 +8,9 @@ the decode caches as they were, and the same decode process serves the next requ
 In-process tests cover offer lifetimes (TTL, release, live counts) and argument errors.
 Every wait is bounded; every peer ends by itself.
 """
-import json
 import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
 import time
 
 import jax
@@ -23,89 +19,20 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the _transfer_* helpers
+import _peer_process as PP
 import _transfer_data as TD
 import _transfer_peer as PEER
 from kvjax.transfer import offers, remote, topology
 
 PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_transfer_peer.py")
-START_S = 90        # a peer's start-up (imports, cache writes) on a loaded CI machine
 PULL_TIMEOUT_S = 30
 SHORT_TIMEOUT_S = 3.0   # the failing pulls' timeout_s
-SLACK_S = 10.0          # a failing pull must end within timeout_s + SLACK_S
-
-
-def _env():
-  env = dict(os.environ)
-  root = os.path.dirname(os.path.dirname(PEER_SCRIPT))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  return env
-
-
-class Peer:
-  """A peer process: one JSON line per job on stdin, one JSON line per answer on stdout."""
-
-  def __init__(self, tmp_path, name, *args):
-    self.name = name
-    self.err_path = tmp_path / f"{name}.stderr"
-    with open(self.err_path, "w") as err:
-      self.proc = subprocess.Popen([sys.executable, PEER_SCRIPT, *map(str, args)],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                   text=True, env=_env())
-    self._lines = queue.Queue()
-    threading.Thread(target=self._read, daemon=True).start()
-
-  def _read(self):
-    for line in self.proc.stdout:
-      self._lines.put(line)
-    self._lines.put(None)
-
-  def _fail(self, why):
-    pytest.fail(f"{self.name} peer {why}; stderr:\n{self.err_path.read_text()[-3000:]}")
-
-  def ask(self, job, timeout_s):
-    self.proc.stdin.write(json.dumps(job) + "\n")
-    self.proc.stdin.flush()
-    try:
-      line = self._lines.get(timeout=timeout_s)
-    except queue.Empty:
-      self._fail(f"did not answer {job} within {timeout_s} s")
-    if line is None:
-      self._fail(f"exited with {self.proc.wait(timeout=10)}")
-    return json.loads(line)
-
-  def wait_json(self, path, timeout_s=START_S):
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-      if self.proc.poll() is not None:
-        self._fail(f"exited with {self.proc.returncode}")
-      if time.monotonic() > deadline:
-        self._fail(f"did not write {path} within {timeout_s} s")
-      time.sleep(0.05)
-    with open(path) as f:
-      return json.load(f)
-
-  def close(self):
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGCONT)
-      try:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=10)
-      except (subprocess.TimeoutExpired, BrokenPipeError):
-        self.proc.kill()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture
 def peers(tmp_path):
-  started = []
-
-  def start(name, *args):
-    started.append(Peer(tmp_path, name, *args))
-    return started[-1]
-
-  yield start
-  for p in started:
-    p.close()
+  with PP.Peers(tmp_path, PEER_SCRIPT) as start:
+    yield start
 
 
 def expected_decode_caches(sc, seed):
@@ -159,37 +86,19 @@ def test_only_the_token_holder_pulls_the_pages(rng, tmp_path, peers):
   address = router["address"]
   assert remote.is_loopback(address), address
 
-  theft = thief.ask({"address": address, "wait_s": 2.0}, START_S)
+  theft = thief.ask({"address": address, "wait_s": 2.0}, PP.START_S)
   assert theft["attempts"] >= 4 * len(router["offers"]) and theft["stolen"] == 0, theft
 
   for offer in router["offers"]:   # then the token holder pulls the exact pages
     sc = PEER.SCENARIOS[offer["request_id"]]
     out = str(tmp_path / f"decode{sc.request_id}.npz")
-    res = decode.ask(dict(offer, address=address, timeout_s=PULL_TIMEOUT_S, out=out), START_S)
+    res = decode.ask(dict(offer, address=address, timeout_s=PULL_TIMEOUT_S, out=out), PP.START_S)
     assert res["outcome"] == "ok", res
     assert res["pulled"] == remote.needed_remote_ranks(sc.d, sc.p, sc.total_heads)
     got = load_ranks(out, sc.d)
     for r in range(sc.d):
       np.testing.assert_array_equal(got[r], TD.as_bytes(want[sc.request_id][r]),
                                     err_msg=f"scenario {sc.request_id} rank {r}")
-
-
-def _wait_stopped(pid, timeout_s=10.0):
-  """Block until every thread of process ``pid`` is stopped (SIGSTOP is delivered asynchronously:
-  on a loaded machine a thread may still run for a moment after ``send_signal`` returns)."""
-  deadline = time.monotonic() + timeout_s
-  while time.monotonic() < deadline:
-    states = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-      try:
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-          states.append(f.read().rsplit(")", 1)[1].split()[0])
-      except FileNotFoundError:   # a thread that ended meanwhile
-        pass
-    if states and all(s in "tT" for s in states):
-      return
-    time.sleep(0.01)
-  raise AssertionError(f"process {pid} did not stop within {timeout_s} s: thread states {states}")
 
 
 def test_dead_or_stalled_prefill_times_out_and_decode_serves_the_next(rng, tmp_path, peers):
@@ -210,12 +119,12 @@ def test_dead_or_stalled_prefill_times_out_and_decode_serves_the_next(rng, tmp_p
   def pull(router, i, timeout_s, name):
     out = str(tmp_path / f"{name}.npz")
     job = dict(router["offers"][i], address=router["address"], timeout_s=timeout_s, out=out)
-    res = decode.ask(job, timeout_s + SLACK_S + 30)
+    res = decode.ask(job, timeout_s + PP.SLACK_S + 30)
     return res, load_ranks(out, sc.d)
 
   def check_failed(res, caches, kinds=("TimeoutError",)):
     assert res["outcome"] in kinds, res
-    assert res["elapsed_s"] <= SHORT_TIMEOUT_S + SLACK_S, res
+    assert res["elapsed_s"] <= SHORT_TIMEOUT_S + PP.SLACK_S, res
     for r in range(sc.d):   # the caches handed in are intact: no byte was written
       np.testing.assert_array_equal(caches[r], poison[r])
 
@@ -228,7 +137,7 @@ def test_dead_or_stalled_prefill_times_out_and_decode_serves_the_next(rng, tmp_p
   check_served(*pull(to_live, 0, PULL_TIMEOUT_S, "next"))           # the same decode process
   live.proc.send_signal(signal.SIGSTOP)                             # stalled prefill
   try:
-    _wait_stopped(live.proc.pid)
+    PP.wait_stopped(live.proc.pid)
     check_failed(*pull(to_live, 1, SHORT_TIMEOUT_S, "from_stopped"))
   finally:
     live.proc.send_signal(signal.SIGCONT)
@@ -278,7 +187,7 @@ def test_offer_served_once_to_its_token(rng, server):
     with pytest.raises(TimeoutError, match="did not complete within 1 s"):
       remote.pull_request(server, server.address(), [cache], dspec, PEER.DST_BLOCKS, token=other,
                           remote_tp_size=2, total_num_kv_heads=2, timeout_s=1.0)
-    assert time.monotonic() - t0 < 1.0 + SLACK_S
+    assert time.monotonic() - t0 < 1.0 + PP.SLACK_S
     np.testing.assert_array_equal(TD.as_bytes(cache), TD.as_bytes(poison[0]))  # not donated
     (got,), pulled = remote.pull_request(server, server.address(), [cache], dspec,
                                          PEER.DST_BLOCKS, token=offer.token, remote_tp_size=2,

@@ -11,7 +11,7 @@ moved next to the block axis in the gather and back in the scatter.
 from __future__ import annotations
 
 import functools
-from typing import List, Sequence, Tuple, Union
+from typing import Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -95,27 +95,46 @@ def layer_pages(rows: jax.Array, layer: int, page_bytes: int) -> jax.Array:
   return jax.lax.slice_in_dim(rows, layer * page_bytes, (layer + 1) * page_bytes, axis=1)
 
 
-@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=0)
-def _scatter_layered(cache, pages, block_ids, layer_axis: int):
+def _landed_layers(sources, spec, reads, permute: bool, remote_spec, num_layers: int):
+  """Each layer's local pages (uint8 ``[n, page_bytes]``) from the pulled rows of the sources."""
+  pb = remote_spec.page_bytes
+  return [E.assemble_received(spec, {s: layer_pages(v, l, pb) for s, v in sources.items()},
+                              reads, permute=permute, remote_spec=remote_spec)
+          for l in range(num_layers)]
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6), donate_argnums=0)
+def _land_list(caches, sources, block_ids, spec, reads, permute, remote_spec):
+  pages = _landed_layers(sources, spec, reads, permute, remote_spec, len(caches))
+  return [c.at[block_ids].set(E.from_bytes(p, c.shape[1:], c.dtype))
+          for c, p in zip(caches, pages)]
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6), donate_argnums=0)
+def _land_layered(cache, sources, block_ids, spec, reads, permute, remote_spec):
   page_shape = list(cache.shape[1:])
-  num_layers = page_shape.pop(layer_axis - 1)
+  num_layers = page_shape.pop(spec.layer_axis - 1)
+  pages = _landed_layers(sources, spec, reads, permute, remote_spec, num_layers)
   x = E.from_bytes(jnp.concatenate(pages, axis=1), (num_layers, *page_shape), cache.dtype)
-  return cache.at[block_ids].set(jnp.moveaxis(x, 1, layer_axis))
+  return cache.at[block_ids].set(jnp.moveaxis(x, 1, spec.layer_axis))
 
 
-def scatter_layers(layers: RankLayers, pages: Sequence[jax.Array], block_ids,
-                   spec=None) -> RankLayers:
-  """Write each layer's pages (``pages[l]``: uint8 ``[n, page_bytes]``) at ``block_ids``.
+def land_layers(layers: RankLayers, sources, block_ids, spec, reads, *, permute: bool,
+                remote_spec) -> RankLayers:
+  """Write a request's pulled rows into a rank's caches of every layer, in one program.
 
+  sources: remote rank -> uint8 ``[n, L * remote_page_bytes]`` rows (on the rank's device);
+  reads, permute: the rank's plan (:func:`kvjax.transfer.execute.rank_plan`).
   Returns the rank's new caches in the form given (a list, or one layered array); the given
-  arrays are donated.
+  arrays are donated and updated in place.
   """
   ids = np.asarray(block_ids, np.int32)
+  reads = tuple(sorted(reads, key=lambda r: r.local_offset))
+  sources = {int(k): v for k, v in sources.items()}
   if is_layered(layers):
-    return _scatter_layered(layers, list(pages), ids, spec.layer_axis)
-  out: List[jax.Array] = [E.scatter_page_bytes(c, p, ids) for c, p in zip(layers, pages)]
-  return out
+    return _land_layered(layers, sources, ids, spec, reads, permute, remote_spec)
+  return _land_list(list(layers), sources, ids, spec, reads, permute, remote_spec)
 
 
 __all__ = ["RankLayers", "is_layered", "check_rank_layers", "device_of", "gather_layers",
-           "layer_pages", "scatter_layers"]
+           "layer_pages", "land_layers"]

@@ -59,10 +59,11 @@ def gather_page_bytes(cache, block_ids):
 
 @functools.partial(jax.jit, donate_argnums=0)
 def scatter_page_bytes(cache, pages, block_ids):
-  """Write byte pages (uint8 ``[n, page_bytes]``) into ``cache`` at ``block_ids``; donated."""
-  flat = to_bytes(cache)
-  flat = flat.at[block_ids].set(pages)
-  return from_bytes(flat, cache.shape[1:], cache.dtype)
+  """Write byte pages (uint8 ``[n, page_bytes]``) into ``cache`` at ``block_ids``; donated.
+
+  Only the pages change type (a bitcast); the cache is updated in place in its own dtype.
+  """
+  return cache.at[block_ids].set(from_bytes(pages, cache.shape[1:], cache.dtype))
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -136,6 +137,12 @@ def receive_pages(dev, spec, sources: Dict[int, jax.Array], reads, *, permute: b
   """The local pages (uint8 ``[n, spec.page_bytes]`` on ``dev``) that received remote byte
   pages (remote rank -> uint8 ``[n, remote_page_bytes]``) assemble to by ``reads``."""
   sources = {k: jax.device_put(v, dev) for k, v in sources.items()}
+  return assemble_received(spec, sources, reads, permute=permute, remote_spec=remote_spec)
+
+
+def assemble_received(spec, sources: Dict[int, jax.Array], reads, *, permute: bool,
+                      remote_spec=None) -> jax.Array:
+  """:func:`receive_pages` of sources already on the device (traceable inside a jit)."""
   if permute:
     sources = {k: permute_page_bytes(v, remote_spec, "HND") for k, v in sources.items()}
   pages = assemble_pages(sources, reads)
@@ -253,4 +260,4 @@ def slice_reads(pages, reads):
 
 __all__ = ["to_bytes", "from_bytes", "gather_page_bytes", "scatter_page_bytes", "assemble_pages",
            "hnd_twin", "permute_page_bytes", "needs_permute", "rank_plan", "receive_into",
-           "receive_pages", "transfer_blocks", "compact_reads", "slice_reads"]
+           "receive_pages", "assemble_received", "transfer_blocks", "compact_reads", "slice_reads"]

@@ -9,9 +9,9 @@ holder of the token can name the pages.
 
 Every offer is registered here until it is released: explicitly (:meth:`Offer.release`,
 or leaving a ``with offer:`` block), or by the reaper thread once its TTL has passed.
-Releasing deletes the page arrays (their memory is freed at once; a later pull of them
-fails on the decode side with an error instead of data) and drops them from
-:func:`live_offers`.
+Releasing withdraws the pages from the transport (their memory is freed at once, or, on the
+CUDA IPC transport, as soon as a pull reading them ends; a later pull fails on the decode side
+with an error instead of data) and drops them from :func:`live_offers`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import secrets
 import string
 import threading
 import time
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
 
@@ -69,7 +69,9 @@ class Offer:
     num_layers: layers per page row (1 for :func:`~kvjax.transfer.remote.offer_request`; L for
       ``offer_request_layers``: row i holds block i's pages of layers 0..L-1 in order).
     ttl_s: seconds after the offer at which the pages are released if still offered.
-    arrays: rank -> its page array while live; empty once released.
+    arrays: rank -> its gathered page array as offered (the socket transport serves these;
+      the CUDA IPC transport copies and deletes them); empty once released.
+    withdraw: set by the transport: frees what it holds of the offer (called once, on release).
   """
 
   def __init__(self, token: str, arrays: Dict[int, jax.Array], ttl_s: float, num_layers: int = 1):
@@ -83,6 +85,7 @@ class Offer:
     self.arrays: Dict[int, jax.Array] = dict(arrays)
     self.nbytes = sum(int(a.size) * a.dtype.itemsize for a in arrays.values())
     self._key: Optional[int] = None   # set by the registry
+    self.withdraw: Optional[Callable[[], None]] = None
 
   @property
   def released(self) -> bool:
@@ -92,6 +95,9 @@ class Offer:
     """Free the pages now (idempotent). A pull that starts later fails on the decode side."""
     _REGISTRY.forget(self)
     arrays, self.arrays = self.arrays, {}
+    withdraw, self.withdraw = self.withdraw, None
+    if withdraw is not None:
+      withdraw()
     for a in arrays.values():
       if not a.is_deleted():
         a.delete()

@@ -11,39 +11,33 @@ the plans and scatters the pages into its caches at its own block ids (as
 :func:`offer_request_layers` / :func:`pull_request_layers` do the same for a request's pages
 of every layer under one token, in one pull round (:mod:`kvjax.transfer.all_layers`).
 
-Facts of the transfer engine (checked on jax 0.10.2, CPU), which shape this module:
+Two transports carry the bytes, chosen by :func:`start_server`'s ``transport``:
 
-- An offer (``await_pull`` of an id) serves one pull; a pull of an id that is not
-  offered (wrong token, already pulled, expired) waits without end, and ``pull``'s own
-  ``timeout`` does not end that wait. ``pull`` itself returns at once: its arrays fill
-  in the background and the Python thread keeps the GIL free while they do.
-- So a pull is bounded here by polling ``is_ready()`` until a deadline, then poisoning
-  the connection, which completes the pending arrays with an error; no JAX operation
-  ever sees a pending array, so the decode caches stay untouched on failure and the
-  process serves the next request.
-- ``await_pull``'s ``timeout`` drops the server's entry at the TTL; deleting an offered
-  array frees it at once, and a later pull of it ends with an error on the decode side.
-- The transport is unauthenticated and unencrypted; servers bind only where told.
-  :func:`start_server` refuses non-loopback addresses unless ``allow_remote=True``.
-  See docs/transfers.md for the trust model.
+- ``"socket"`` (:mod:`kvjax.transfer.socket_transport`): ``jax.experimental.transfer`` over
+  TCP, between any two hosts, any platform; the bytes go through host memory.
+- ``"cuda_ipc"`` (:mod:`kvjax.transfer.ipc_transport`): processes of one host with CUDA GPUs;
+  the decode side reads the offered pages in place in device memory.
+
+Both serve an offer once, bound every pull by its ``timeout_s`` and leave the decode caches
+untouched when a pull fails; docs/transfers.md has the trust model and the measurements.
 """
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import math
 import time
 from typing import Dict, List, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax import spec as S
 from kvjax.transfer import all_layers as AL
 from kvjax.transfer import execute as E
 from kvjax.transfer import plan as PL
+from kvjax.transfer import socket_transport
 from kvjax.transfer import topology as T
+from kvjax.transfer.errors import PullError
+from kvjax.transfer.ipc_transport import IpcServer
 from kvjax.transfer.offers import (LiveOffers, Offer, check_token, live_offers, new_offer, track,
                                    transfer_id)
 
@@ -53,56 +47,31 @@ DEFAULT_TTL_S = 60.0
 DEFAULT_TIMEOUT_S = 30.0
 
 
-class PullError(ConnectionError):
-  """The prefill side answered a pull with an error (its offer was released, it closed the
-  connection, or the page sizes disagree). Like :class:`TimeoutError` it is an
-  :class:`OSError`: ``except OSError`` catches every failed pull."""
-
-
-def _transfer_module():
-  try:
-    from jax.experimental import transfer  # pylint: disable=import-outside-toplevel
-  except ImportError as e:  # pragma: no cover - depends on the jaxlib build
-    raise RuntimeError("jax.experimental.transfer is not available in this jax build") from e
-  return transfer
-
-
-def is_loopback(address: str) -> bool:
-  """True for ``"IP:port"`` / ``"[IPv6]:port"`` with a loopback IP literal (127.0.0.0/8, ::1)."""
-  host, sep, _ = str(address).rpartition(":")
-  if not sep:
-    return False
-  try:
-    return ipaddress.ip_address(host.strip("[]")).is_loopback
-  except ValueError:
-    return False
+is_loopback = socket_transport.is_loopback
+TRANSPORTS = ("socket", "cuda_ipc")
 
 
 def start_server(client=None, address: str = "127.0.0.1:0",
                  transport_addresses: Sequence[str] = ("127.0.0.1:0",), *,
-                 allow_remote: bool = False):
+                 allow_remote: bool = False, transport: str = "socket"):
   """A transfer server on ``address`` (loopback, free port by default).
 
-  client: the backend client (default: that of ``jax.devices()[0]``).
-  address, transport_addresses: ``"IP:port"``; the control socket and the bulk-data
-    sockets. Both default to loopback. Any other address needs ``allow_remote=True``:
-    the transport has no authentication or encryption, so only bind an address on an
-    isolated transfer network (docs/transfers.md).
+  client: the backend client (default: that of ``jax.devices()[0]``; socket transport).
+  address: ``"IP:port"`` of the control socket.
+  transport_addresses: ``"IP:port"`` of the bulk-data sockets (socket transport).
+    Addresses other than loopback need ``allow_remote=True``: the socket transport has no
+    authentication or encryption, so only bind an address on an isolated transfer network
+    (docs/transfers.md). The CUDA IPC transport binds loopback only.
+  transport: ``"socket"`` (any hosts) or ``"cuda_ipc"`` (processes of one host with CUDA GPUs:
+    pages are read in place in device memory). Both sides must use the same transport.
   ``server.address()`` is what the other process connects to.
   """
-  transport_addresses = list(transport_addresses)
-  if not transport_addresses:
-    raise ValueError("transport_addresses must name at least one 'IP:port' (e.g. '127.0.0.1:0')")
-  if not allow_remote:
-    for name, addr in [("address", address)] + [("transport_addresses", a)
-                                                  for a in transport_addresses]:
-      if not is_loopback(addr):
-        raise ValueError(
-            f"{name}={addr!r} is not a loopback 'IP:port'; the transfer transport is "
-            "unauthenticated and unencrypted, so binding beyond this host needs "
-            "allow_remote=True and an isolated transfer network (see docs/transfers.md)")
-  client = client or jax.devices()[0].client
-  return _transfer_module().start_transfer_server(client, address, transport_addresses)
+  if transport == "socket":
+    return socket_transport.start(client, address, transport_addresses,
+                                  allow_remote=allow_remote)
+  if transport == "cuda_ipc":
+    return IpcServer(address)
+  raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
 
 
 def needed_remote_ranks(tp_size: int, remote_tp_size: int, total_num_kv_heads: int,
@@ -112,10 +81,6 @@ def needed_remote_ranks(tp_size: int, remote_tp_size: int, total_num_kv_heads: i
   for r in range(tp_size):
     ranks.update(T.source_ranks(r, tp_size, remote_tp_size, total_num_kv_heads, is_mla))
   return sorted(ranks)
-
-
-def _deadline_datetime(seconds: float) -> datetime.datetime:
-  return datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)
 
 
 def _check_seconds(name: str, value) -> float:
@@ -205,51 +170,14 @@ def _serve(server, arrays: Dict[int, jax.Array], ttl_s: float, num_layers: int) 
   """Offer each rank's gathered pages once under a fresh token; live until released or TTL."""
   jax.block_until_ready(list(arrays.values()))
   offer = new_offer(arrays, ttl_s, num_layers)
-  expiry = _deadline_datetime(ttl_s)   # the server drops its entries then, too
   try:
-    for s, a in arrays.items():
-      server.await_pull(transfer_id(offer.token, s), [a], timeout=expiry)
+    offer.withdraw = server.serve({transfer_id(offer.token, s): a for s, a in arrays.items()},
+                                  ttl_s)
   except BaseException:
     offer.release()
     raise
   track(offer)
   return offer
-
-
-def _cancel(conn) -> None:
-  """Complete a connection's pending pulls with an error (no-op where jax lacks the hook)."""
-  poison = getattr(conn, "_poison_connection", None)
-  if poison is not None:
-    poison()
-
-
-def _await_pulls(conn, arrays: Dict[int, jax.Array], deadline: float, address: str,
-                 timeout_s: float) -> None:
-  """Wait (GIL free, bounded by ``deadline``) until every pulled array is complete.
-
-  Raises TimeoutError at the deadline and PullError as soon as one rank's pull ends in an
-  error; either way the connection is poisoned first, so nothing keeps writing.
-  """
-  pending = dict(arrays)
-  delay = 1e-4
-  while pending:
-    for s in [s for s, a in pending.items() if a.is_ready()]:
-      try:
-        pending.pop(s).block_until_ready()   # ready: raises only if the pull ended in an error
-      except Exception as e:  # jax's runtime error type differs between versions
-        _cancel(conn)
-        raise PullError(f"pull of prefill rank {s} from {address} failed ({e}); decode caches "
-                        "are untouched") from e
-    left = deadline - time.monotonic()
-    if pending and left <= 0:
-      _cancel(conn)
-      raise TimeoutError(
-          f"pull of prefill ranks {sorted(pending)} from {address} did not complete within "
-          f"{timeout_s:g} s (the prefill process is dead or stalled, or the offer is gone: "
-          "expired, released, already pulled, or another token); decode caches are untouched")
-    if pending:
-      time.sleep(min(delay, left))
-      delay = min(2 * delay, 1e-3)
 
 
 def pull_request(server, address: str, decode_caches: Sequence[jax.Array], spec, dst_block_ids,
@@ -283,13 +211,18 @@ def pull_request(server, address: str, decode_caches: Sequence[jax.Array], spec,
   E.check_rank_caches("decode", decode_caches, spec)
   dst = _dst_ids(dst_block_ids, decode_caches[0].shape[0])
   plans, rspec = _plans(spec, len(decode_caches), remote_tp_size, total_num_kv_heads, is_mla)
-  pulled = _pull_rows(server, address, token, plans, [E._device_of(c) for c in decode_caches],
-                      (dst.size, rspec.page_bytes), deadline, timeout_s)
+  pulled, done = _pull_rows(server, address, token, plans,
+                            [E._device_of(c) for c in decode_caches],
+                            (dst.size, rspec.page_bytes), deadline, timeout_s)
   out = []
-  for r, (reads, permute) in enumerate(plans):
-    sources = {s: pulled[s] for s in {x.remote_rank for x in reads}}
-    out.append(E.receive_into(decode_caches[r], spec, sources, reads, dst, permute=permute,
-                              remote_spec=rspec))
+  try:
+    for r, (reads, permute) in enumerate(plans):
+      sources = {s: pulled[s] for s in {x.remote_rank for x in reads}}
+      out.append(E.receive_into(decode_caches[r], spec, sources, reads, dst, permute=permute,
+                                remote_spec=rspec))
+  finally:
+    jax.block_until_ready(out)   # every read of the pulled bytes is complete
+    done()
   return out, sorted(pulled)
 
 
@@ -324,16 +257,17 @@ def pull_request_layers(server, address: str, decode_rank_layers: Sequence[AL.Ra
                         is_mla)
   devices = [AL.device_of(x) for x in decode_rank_layers]
   pb = rspec.page_bytes
-  pulled = _pull_rows(server, address, token, plans, devices, (dst.size, num_layers * pb),
-                      deadline, timeout_s)
+  pulled, done = _pull_rows(server, address, token, plans, devices,
+                            (dst.size, num_layers * pb), deadline, timeout_s)
   out = []
-  for r, (reads, permute) in enumerate(plans):
-    ranks = {x.remote_rank for x in reads}
-    pages = [E.receive_pages(devices[r], spec, {s: AL.layer_pages(pulled[s], l, pb)
-                                                for s in ranks},
-                             reads, permute=permute, remote_spec=rspec)
-             for l in range(num_layers)]
-    out.append(AL.scatter_layers(decode_rank_layers[r], pages, dst, spec))
+  try:
+    for r, (reads, permute) in enumerate(plans):
+      sources = {s: jax.device_put(pulled[s], devices[r]) for s in {x.remote_rank for x in reads}}
+      out.append(AL.land_layers(decode_rank_layers[r], sources, dst, spec, reads,
+                                permute=permute, remote_spec=rspec))
+  finally:
+    jax.block_until_ready(out)   # every read of the pulled bytes is complete
+    done()
   return out, sorted(pulled)
 
 
@@ -353,23 +287,33 @@ def _plans(spec, d: int, remote_tp_size: int, total_num_kv_heads: int, is_mla: b
 
 
 def _pull_rows(server, address: str, token: str, plans, devices, shape, deadline: float,
-               timeout_s: float) -> Dict[int, jax.Array]:
+               timeout_s: float):
   """Pull each source rank the plans read, once, as uint8 ``shape`` onto the first decode
-  device that reads it; all over one connection, awaited together (:func:`_await_pulls`)."""
-  conn = server.connect(address)
-  server_deadline = _deadline_datetime(timeout_s + 1.0)   # lets the peer drop a stale request
-  pulled: Dict[int, jax.Array] = {}
+  device that reads it, all in one round bounded by ``deadline``.
+
+  Returns (rank -> its pages, ``done``: call once every read of the pages is complete).
+  """
+  wants: Dict[int, tuple] = {}
   for (reads, _), dev in zip(plans, devices):
     for s in sorted({x.remote_rank for x in reads}):
-      if s not in pulled:
-        want = jax.ShapeDtypeStruct(shape, jnp.uint8,
-                                    sharding=jax.sharding.SingleDeviceSharding(dev))
-        pulled[s] = conn.pull(transfer_id(token, s), [want], timeout=server_deadline)[0]
-  _await_pulls(conn, pulled, deadline, address, timeout_s)
-  return pulled
+      wants.setdefault(s, (tuple(shape), dev))
+  ranks = sorted(wants)
+  try:
+    arrays, done = server.fetch(address, {transfer_id(token, s): w for s, w in wants.items()},
+                                deadline, timeout_s)
+  except TimeoutError as e:
+    raise TimeoutError(
+        f"pull of prefill ranks {ranks} from {address} did not complete within "
+        f"{timeout_s:g} s (the prefill process is dead or stalled, or the offer is gone: "
+        "expired, released, already pulled, or another token); decode caches are untouched"
+    ) from e
+  except PullError as e:
+    raise PullError(f"pull of prefill ranks {ranks} from {address} failed ({e}); decode caches "
+                    "are untouched") from e
+  return {s: arrays[transfer_id(token, s)] for s in ranks}, done
 
 
-__all__ = ["start_server", "is_loopback", "needed_remote_ranks", "Offer", "LiveOffers",
+__all__ = ["start_server", "is_loopback", "TRANSPORTS", "needed_remote_ranks", "Offer", "LiveOffers",
            "offer_request", "pull_request", "offer_request_layers", "pull_request_layers",
            "live_offers", "PullError", "DEFAULT_TTL_S",
            "DEFAULT_TIMEOUT_S"]
