@@ -30,8 +30,8 @@ def check_attention_args(q, cache, spec: KVCacheSpec, query_start_loc, seq_lens,
 
 def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
                       scale, causal=True, sliding_window=None, soft_cap=None, sinks=None,
-                      k_scale=None, v_scale=None, max_query_len=None, impl: str = "auto",
-                      interpret=None, layer=None):
+                      k_scale=None, v_scale=None, q_scale=None, max_query_len=None,
+                      impl: str = "auto", interpret=None, layer=None):
   """Ragged paged attention over the packed cache: prefills and decodes in one batch.
 
   Each of S sequences brings its new query tokens (a prefill chunk, or one token for a decode)
@@ -42,7 +42,8 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
   Args:
     q: ``[T, Hq, D]`` query tokens of the step, sequence after sequence (rows past
       ``query_start_loc[-1]`` are padding and output 0); bfloat16, float16 or float32 (it
-      need not be the cache's model dtype). ``D = spec.head_size``; ``Hq`` a multiple of
+      need not be the cache's model dtype), or fp8 (float8_e4m3fn / float8_e5m2) with
+      ``q_scale``. ``D = spec.head_size``; ``Hq`` a multiple of
       ``spec.num_kv_heads`` (GQA: query head ``i`` reads KV head ``i // (Hq // H)``).
     cache: the spec's physical cache array (``spec.physical_shape(B)``,
       ``spec.storage_dtype``), e.g. from ``spec.allocate(B)``.
@@ -71,6 +72,9 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
     k_scale, v_scale: the global dequantization scales of fp8 per-tensor caches (a scalar, or
       ``[H]`` per KV head) and of nvfp4 (a scalar), float32; ``None`` = 1.0. Formats without
       global scales (plain, per-token-head) ignore them.
+    q_scale: an fp8 q's dequantization scale (q's value is ``q * q_scale``): a positive
+      float32 scalar, traced under jit too; None for a floating-point q. Every implementation
+      takes it: q is widened to bfloat16 exactly and ``q_scale`` folded into ``scale``.
     max_query_len: optional static upper bound (Python int) on every sequence's query length.
       ``1`` with one query token per sequence takes the decode kernel; kernels round it up to
       a power of two, so steps of one bucket share a compiled program. None = T (always
@@ -88,7 +92,8 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
       layered cache (``auto`` takes an XLA implementation for HND: ``explain(..., layered=True)``).
 
   Returns:
-    ``[T, Hq, D]`` in q's dtype; padding rows and rows with no visible key are 0.
+    ``[T, Hq, D]`` in q's dtype (bfloat16 for an fp8 q); padding rows and rows with no visible
+    key are 0.
 
   Types and shapes are always checked; metadata values whenever they are concrete (also
   when closed over inside ``jax.jit``); traced metadata outside the contract is clamped by
@@ -119,6 +124,7 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
       q, cache, spec, query_start_loc, seq_lens, block_table, sliding_window, soft_cap, sinks,
       max_query_len, layer)
   V.check_softmax_scale(scale)
+  q, scale = V.query_input(q, q_scale, scale)
   V.check_scales(spec, k_scale, v_scale)
   k_scale, v_scale = V.normalize_scale(k_scale), V.normalize_scale(v_scale)
   stack = Stack.of(spec, cache, V.layer_index(layer))

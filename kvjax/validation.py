@@ -260,6 +260,29 @@ def check_softmax_scale(scale):
       raise ValueError(f"scale must be finite, got scale = {vals.item()}")
 
 
+FP8_QUERY_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def query_input(q, q_scale, scale):
+  """(the query the implementations read, its softmax scale) for a q of any accepted dtype.
+
+  An fp8 query (float8_e4m3fn or float8_e5m2) carries ``q_scale`` (q's real value is
+  ``q * q_scale``): it is widened to bfloat16, which holds every fp8 value exactly, and
+  ``q_scale`` is folded into the softmax scale (``scale * q_scale``), so no rounding is added.
+  """
+  is_fp8 = any(q.dtype == np.dtype(t) for t in FP8_QUERY_DTYPES)
+  if q_scale is None:
+    if is_fp8:
+      raise ValueError(f"q of dtype {q.dtype} needs q_scale (its dequantization scale)")
+    return q, scale
+  if not is_fp8:
+    raise ValueError(f"q_scale is for an fp8 q (float8_e4m3fn or float8_e5m2); q is {q.dtype}")
+  vals = host_values(_check_scale_type("q_scale", q_scale))
+  if vals is not None and not (vals.shape == () and np.isfinite(vals) and vals > 0):
+    raise ValueError(f"q_scale must be a finite positive scalar, got {q_scale!r}")
+  return q.astype(jnp.bfloat16), scale * q_scale
+
+
 def check_soft_cap(soft_cap):
   """The logit soft cap: None or a finite positive number (checked when concrete)."""
   if soft_cap is None:

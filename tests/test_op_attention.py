@@ -231,3 +231,53 @@ def test_traced_softmax_and_tensor_scales(rng, impl, max_query_len, request):
   out = np.asarray(run(q, cache, jnp.float32(0.3), jnp.float32(0.5)), np.float32)
   want = kvjax.reference.unified_attention(q, cache, spec, scale=0.3, k_scale=0.5, **meta)
   _assert_close(out, np.asarray(want, np.float32), 2e-2)
+
+
+# -- an fp8 query with its dequantization scale ------------------------------------------------
+@pytest.mark.parametrize("cache_dtype,batch,max_query_len", [
+    ("fp8", DECODE, 1), ("int8_per_token_head", RAGGED, None),
+    pytest.param("auto", RAGGED, None, marks=SLOW)])
+@pytest.mark.parametrize("impl", implementations("attention"))
+def test_fp8_query_with_q_scale(rng, impl, cache_dtype, batch, max_query_len):
+  """q float8_e4m3fn with q_scale on every implementation: attention of ``q * q_scale``
+  (float64 oracle), output in bfloat16."""
+  if impl == TOY_BACKEND:
+    pytest.skip("the toy backend runs a few cases (it shows the mechanism)")
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, cache_dtype=cache_dtype)
+  interpret = run_mode("attention", impl, spec, jnp.bfloat16)
+  q_lens, prefix, pad = batch
+  q, cache, meta, kk, vv = build_batch(rng, spec, q_lens, prefix, 8, pad, q_dtype=jnp.float32)
+  q_scale = 0.37
+  q8 = (q / q_scale).astype(jnp.float8_e4m3fn)
+  scale = 64 ** -0.5
+  out = jax.jit(lambda q8, cache, meta: kvjax.unified_attention(
+      q8, cache, spec, scale=scale, q_scale=q_scale, max_query_len=max_query_len, impl=impl,
+      interpret=interpret, **meta))(q8, cache, meta)
+  assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+  want = numpy_attention(np.asarray(q8, np.float64) * q_scale, meta, kk, vv, scale=scale,
+                         causal=True, window=None, soft_cap=None, sinks=None)
+  _assert_close(np.asarray(out, np.float32), want, 2e-2)
+
+
+def test_fp8_query_traced_q_scale_and_errors(rng):
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, cache_dtype="fp8")
+  cache = _full_cache(rng, spec, 6)
+  q = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)
+  q8 = (q / 0.5).astype(jnp.float8_e5m2)
+  meta = dict(query_start_loc=jnp.asarray([0, 1, 2, 3]), seq_lens=jnp.asarray([5, 30, 44]),
+              block_table=jnp.asarray(rng.integers(0, 6, (3, 3)), jnp.int32))
+  run = jax.jit(lambda q8, s: kvjax.unified_attention(q8, cache, spec, scale=0.125, q_scale=s,
+                                                      max_query_len=1, impl="xla", **meta))
+  want = kvjax.unified_attention(q8.astype(jnp.float32) * 0.5, cache, spec, scale=0.125,
+                                 impl="reference", **meta)
+  _assert_close(np.asarray(run(q8, jnp.float32(0.5)), np.float32), np.asarray(want, np.float32),
+                2e-2)
+  attend = functools.partial(kvjax.unified_attention, cache=cache, spec=spec, scale=0.125, **meta)
+  with pytest.raises(ValueError, match="needs q_scale"):
+    attend(q8)
+  with pytest.raises(ValueError, match="q_scale is for an fp8 q .* q is float32"):
+    attend(q, q_scale=0.5)
+  with pytest.raises(ValueError, match="q_scale must be a finite positive scalar"):
+    attend(q8, q_scale=-1.0)
+  with pytest.raises(TypeError, match="q_scale must be a float"):
+    attend(q8, q_scale="0.5")
