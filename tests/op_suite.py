@@ -92,10 +92,7 @@ def exact_bytes(name: str, interpret: bool) -> bool:
 
 #: What a registered implementation does not do yet, per (op, implementation, check): the
 #: suite runs the check and expects it to fail (``xfail``), so a fix shows as XPASS.
-KNOWN_GAPS = {
-    ("attention", "mosaic_tpu", "metadata_rules"):
-        "does not apply kvjax.ragged_batch's rules to metadata outside the contract yet",
-}
+KNOWN_GAPS = {}
 
 
 def known_gap(request, op: str, name: str, check: str, strict: bool = True):

@@ -3,7 +3,7 @@
 Entry point :func:`ragged_paged_attention` (inputs already validated by
 ``kvjax.unified_attention``): prefills with a cached prefix and decodes in one ragged batch,
 GQA of any ratio, causal, sliding window, soft cap, sinks; padding tokens and rows with no
-visible key give 0.
+visible key give 0; metadata outside the contract follows :mod:`kvjax.ragged_batch`.
 
 Plan (details and numbers in docs/tpu.md). One grid program per query tile
 (:mod:`pallas_kernels.mosaic_tpu.tiles`: up to ``bq`` tokens of one sequence x the G query
@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.mosaic_tpu import tiles as TL
 from pallas_kernels.mosaic_tpu.adapters import SUPPORTED_Q_DTYPES, rows_of, unsupported_reason
@@ -79,11 +80,13 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   h = spec.num_kv_heads
   if t == 0 or num_seqs == 0:
     return jnp.zeros_like(q)
+  capacity = max_blocks * spec.block_size
+  # kvjax.ragged_batch rules 1 and 3 here, 2 in the tile schedule, 4 in the kernel's page DMAs.
+  qsl, sl = RB.clamp_metadata(query_start_loc, seq_lens, num_tokens=t, capacity=capacity)
   plan = TL.plan_tiles(t, num_seqs, hq // h, spec.block_size, max_blocks, max_query_len)
-  seq, q0, meta = TL.tile_metadata(plan, query_start_loc, seq_lens,
-                                   capacity=max_blocks * spec.block_size, causal=causal,
-                                   sliding_window=sliding_window)
-  q_tiles = TL.gather_queries(q, plan, seq, q0, query_start_loc)
+  seq, q0, meta = TL.tile_metadata(plan, qsl, sl, capacity=capacity, causal=causal,
+                                   sliding_window=sliding_window, max_query_len=max_query_len)
+  q_tiles = TL.gather_queries(q, plan, seq, q0, qsl)
   tile_block = pl.BlockSpec((None, h, plan.rows, d), lambda j, meta, bt: (j, 0, 0, 0))
   inputs, in_specs = [q_tiles], [tile_block]
   if sinks is not None:
@@ -122,7 +125,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       interpret=interpret_params(interpret),
       name="kvjax_mosaic_tpu_ragged_attention",
   )(meta, block_table.astype(jnp.int32).reshape(-1), *inputs)
-  return TL.scatter_outputs(out_tiles, plan, query_start_loc, seq_lens, t)
+  return TL.scatter_outputs(out_tiles, plan, qsl, sl, t, max_query_len)
 
 
 def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: Rows,

@@ -66,14 +66,16 @@ def plan_tiles(num_tokens: int, num_seqs: int, group: int, block_size: int, max_
 
 
 def tile_metadata(plan: TilePlan, query_start_loc, seq_lens, *, capacity: int, causal: bool,
-                  sliding_window):
+                  sliding_window, max_query_len=None):
   """(sequence per tile int32 [nt], first local token per tile, metadata int32 [nt * NUM_FIELDS]).
 
+  query_start_loc, seq_lens: clamped (:func:`kvjax.ragged_batch.clamp_metadata`).
   capacity: max_blocks * block_size, the most keys a block table row names.
+  max_query_len: a sequence with more query tokens gets no tile (its rows stay 0).
   """
   qsl = query_start_loc.astype(jnp.int32)
   sl = seq_lens.astype(jnp.int32)
-  seq, q0 = sched.tile_schedule(qsl, plan.num_tiles, plan.tokens)
+  seq, q0 = sched.tile_schedule(qsl, plan.num_tiles, plan.tokens, max_query_len)
   q_len = qsl[seq + 1] - qsl[seq]
   rows = jnp.clip(q_len - q0, 0, plan.tokens)            # 0 for surplus tiles
   live = rows > 0
@@ -96,12 +98,16 @@ def gather_queries(q, plan: TilePlan, seq, q0, query_start_loc):
   return tiles.transpose(0, 2, 1, 3, 4).reshape(plan.num_tiles, h, plan.rows, d)
 
 
-def scatter_outputs(out_tiles, plan: TilePlan, query_start_loc, seq_lens, num_tokens: int):
-  """Kernel output ``[nt, H, R, D]`` -> ``[T, Hq, D]``; padding tokens are 0."""
+def scatter_outputs(out_tiles, plan: TilePlan, query_start_loc, seq_lens, num_tokens: int,
+                    max_query_len=None):
+  """Kernel output ``[nt, H, R, D]`` -> ``[T, Hq, D]``; padding tokens (and those of sequences
+  over ``max_query_len``) are 0. Metadata as :func:`tile_metadata` takes it."""
   nt, h, _, d = out_tiles.shape
   qsl = query_start_loc.astype(jnp.int32)
-  seq, _, real = token_positions(qsl, seq_lens, num_tokens)
+  seq, _, real = token_positions(qsl, seq_lens, num_tokens, max_query_len)
   q_len = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+  if max_query_len is not None:       # as the tile schedule counts them
+    q_len = jnp.where(q_len > max_query_len, 0, q_len)
   tiles = (q_len + plan.tokens - 1) // plan.tokens
   first_tile = jnp.cumsum(tiles) - tiles
   local = jnp.arange(num_tokens, dtype=jnp.int32) - qsl[seq]
