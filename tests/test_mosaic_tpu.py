@@ -51,6 +51,8 @@ WRITE_CASES = [
     ("int8_per_token_head", "NHD", 2, 128, jnp.bfloat16, False),
     ("int8_per_token_head", "HND", 2, 64, jnp.float32, False),
     ("fp8_per_token_head", "HND", 2, 128, jnp.float16, False),
+    ("int4_per_token_head", "NHD", 2, 128, jnp.bfloat16, False),
+    ("int4_per_token_head", "HND", 2, 64, jnp.float32, False),
 ]
 
 
@@ -144,6 +146,9 @@ ATTENTION_CASES = [
     pytest.param("NHD", "int8_per_token_head", jnp.bfloat16, 2, 128, None, dict(soft_cap=5.0),
                  marks=pytest.mark.slow),
     ("HND", "fp8_per_token_head", jnp.float16, 2, 64, None, dict(max_query_len=32)),
+    ("NHD", "int4_per_token_head", jnp.bfloat16, 4, 128, None, dict(sinks=True, soft_cap=5.0)),
+    pytest.param("HND", "int4_per_token_head", jnp.float32, 1, 64, None,
+                 dict(sliding_window=20, max_query_len=32), marks=pytest.mark.slow),
 ]
 
 
@@ -198,12 +203,12 @@ def test_no_dma_races(rng, layout):
 def test_supported_formats_and_reasons():
   assert set(mt.SUPPORTED_CACHE_DTYPES) == {
       "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
-      "int8_per_token_head", "fp8_per_token_head"}
+      "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"}
   for cd in mt.SUPPORTED_CACHE_DTYPES:
     spec = KVCacheSpec(2, 64, 16, cd, "HND")
     assert mt.supports_write(spec) is None
     assert mt.supports_attention(spec, jnp.bfloat16) is None
-  for cd in ("int4_per_token_head", "nvfp4"):
+  for cd in ("nvfp4",):
     spec = KVCacheSpec(2, 64, 16, cd, "HND")
     why = f"cache_dtype='{cd}' has no Mosaic TPU adapter"
     assert mt.supports_write(spec).startswith(why)
@@ -220,11 +225,12 @@ def _export_tpu(f, *args):
   return export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
 
 
-LOWERING_CASES = [("auto", "NHD", 128), ("int8_per_token_head", "HND", 128)] + [
+LOWERING_CASES = [("auto", "NHD", 128), ("int8_per_token_head", "HND", 128),
+                  ("int4_per_token_head", "NHD", 128)] + [
     pytest.param(*case, marks=pytest.mark.slow)
     for case in [("bfloat16", "HND", 128), ("fp8", "HND", 128), ("fp8_e5m2", "NHD", 64),
                  ("fp8_per_token_head", "NHD", 128), ("float32", "HND", 64),
-                 ("int8_per_token_head", "NHD", 64)]]
+                 ("int8_per_token_head", "NHD", 64), ("int4_per_token_head", "HND", 64)]]
 
 
 @pytest.mark.parametrize("cache_dtype,layout,head_size", LOWERING_CASES)

@@ -1,15 +1,16 @@
 """The Mosaic TPU backend's adapter table: which row hooks (:mod:`.rows`) read a codec.
 
 Rows match a codec's facts (:mod:`kvjax.adapters`): plain rows, fp8 rows with per-tensor
-scales, and int8 / fp8 rows with a float32 scale a row. Formats no row matches (int4 per
-token-head, nvfp4) have no Mosaic TPU kernels yet.
+scales, int8 / fp8 rows with a float32 scale a row, and int4 rows (two values a byte, a scale
+and zero point a row). nvfp4 (whose sides are ``[data | block scales]`` splits of a page, not
+rows) has no Mosaic TPU kernels yet.
 """
 from __future__ import annotations
 
 from kvjax import formats as F
 from kvjax.adapters import Adapter, AdapterTable, packs, stores_fp8
 from kvjax.spec import KVCacheSpec
-from pallas_kernels.mosaic_tpu.rows import Fp8Rows, PlainRows, RowScaledRows, Rows
+from pallas_kernels.mosaic_tpu.rows import Fp8Rows, Int4Rows, PlainRows, RowScaledRows, Rows
 
 ADAPTERS = AdapterTable("Mosaic TPU", (
     Adapter("plain rows", lambda c: c.content_halves and c.is_plain, PlainRows),
@@ -19,6 +20,8 @@ ADAPTERS = AdapterTable("Mosaic TPU", (
     Adapter("int8 / fp8 rows with a float32 scale a row",
             lambda c: c.content_halves and c.has_row_scales and not packs(c, "int4"),
             RowScaledRows),
+    Adapter("int4 rows: two values a byte, a float32 scale with its zero point a row",
+            lambda c: c.content_halves and c.has_row_scales and packs(c, "int4"), Int4Rows),
 ))
 
 #: Cache dtypes of the built-in table both kernels handle.

@@ -30,7 +30,7 @@ from kvjax import quant
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.mosaic_tpu import tuning
 from pallas_kernels.mosaic_tpu.adapters import rows_of, unsupported_reason
-from pallas_kernels.mosaic_tpu.rows import Rows
+from pallas_kernels.mosaic_tpu.rows import Rows, halves_order
 from pallas_kernels.mosaic_tpu.interpret import interpret_params
 
 def supports_write(spec) -> str | None:
@@ -68,6 +68,9 @@ def write_kv(cache, key, value, slot_mapping, spec: KVCacheSpec, *, k_scale=None
   value = jnp.pad(value[:t], ((0, pad), (0, 0), (0, 0)))
 
   codec = rows_of(spec)
+  if codec.split_halves:
+    order = halves_order(d)
+    key, value = key[..., order], value[..., order]
   kv_block = pl.BlockSpec((tb, h, d), lambda i, slots_ref: (i, 0, 0))
   inputs, in_specs = [key, value], [kv_block, kv_block]
   if codec.tensor_scaled:
@@ -103,7 +106,7 @@ def _write_kernel(slots_ref, k_ref, v_ref, *rest, codec: Rows, layout: str, tb: 
   else:
     recip_ref = None
     _, cache_hbm, rows_ref, sem = rest
-  d = codec.head_size
+  d = codec.data_width
   for side, x_ref in enumerate((k_ref, v_ref)):
     recip = None if recip_ref is None else recip_ref[side]          # (H, 1)
     data, scale_bytes = codec.encode_side(x_ref[...], recip)

@@ -32,7 +32,7 @@ from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.mosaic_tpu import tiles as TL
 from pallas_kernels.mosaic_tpu.adapters import SUPPORTED_Q_DTYPES, rows_of, unsupported_reason
-from pallas_kernels.mosaic_tpu.rows import Rows
+from pallas_kernels.mosaic_tpu.rows import Rows, halves_order
 from pallas_kernels.mosaic_tpu.interpret import interpret_params
 
 _LANES = 128
@@ -86,6 +86,10 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   plan = TL.plan_tiles(t, num_seqs, hq // h, spec.block_size, max_blocks, max_query_len)
   seq, q0, meta = TL.tile_metadata(plan, qsl, sl, capacity=capacity, causal=causal,
                                    sliding_window=sliding_window, max_query_len=max_query_len)
+  codec = rows_of(spec)
+  if codec.split_halves:     # head dims as [even | odd] in the kernel (rows.halves_order)
+    order = halves_order(d)
+    q = q[..., order]
   q_tiles = TL.gather_queries(q, plan, seq, q0, qsl)
   tile_block = pl.BlockSpec((None, h, plan.rows, d), lambda j, meta, bt: (j, 0, 0, 0))
   inputs, in_specs = [q_tiles], [tile_block]
@@ -104,7 +108,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
 
   page_shape = cache.shape[1:]
   kernel = functools.partial(
-      _attention_kernel, plan=plan, codec=rows_of(spec), layout=spec.layout,
+      _attention_kernel, plan=plan, codec=codec, layout=spec.layout,
       num_blocks=cache.shape[0], max_blocks=max_blocks, causal=causal,
       sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
       has_sinks=sinks is not None, tensor_scales=tensor_scales, cd=compute_dtype(q.dtype))
@@ -125,7 +129,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       interpret=interpret_params(interpret),
       name="kvjax_mosaic_tpu_ragged_attention",
   )(meta, block_table.astype(jnp.int32).reshape(-1), *inputs)
-  return TL.scatter_outputs(out_tiles, plan, qsl, sl, t, max_query_len)
+  out = TL.scatter_outputs(out_tiles, plan, qsl, sl, t, max_query_len)
+  return out[..., np.argsort(order)] if codec.split_halves else out
 
 
 def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: Rows,
@@ -191,11 +196,12 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: 
       mask &= pos - key < sliding_window
     key_col = key0 + jax.lax.broadcasted_iota(jnp.int32, (kvs, 1), 0)
     fetched = (key_col >= kv_lo) & (key_col < kv_hi)      # V rows of fetched, visible keys
+    prec = _HIGHEST if cd == jnp.float32 else None
     for hh in range(heads):
       qh = q_ref[hh].astype(cd)
-      s = jax.lax.dot_general(qh, _side_tile(buf, slot, hh, 0, codec, layout, cd),
-                              (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                              precision=_HIGHEST if cd == jnp.float32 else None)
+      s = sum(jax.lax.dot_general(qh[:, lo:lo + k.shape[1]], k, (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32, precision=prec)
+              for lo, k in _side_parts(buf, slot, hh, 0, codec, layout, cd))
       s = s * scales_ref[0, hh]
       if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
@@ -206,13 +212,14 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: 
       alpha = jnp.exp(m_prev - m_safe)
       p = jnp.where(mask, jnp.exp(s - m_safe[:, :1]), 0.0)
       l_ref[hh] = alpha * l_ref[hh] + jnp.sum(p, axis=1, keepdims=True)
-      v = jnp.where(fetched, _side_tile(buf, slot, hh, 1, codec, layout, cd), 0)
-      pv = jax.lax.dot_general(p.astype(cd), v, (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32,
-                               precision=_HIGHEST if cd == jnp.float32 else None)
-      if tensor_scales:
-        pv = pv * scales_ref[1, hh]
-      acc_ref[hh] = acc_ref[hh] * alpha[:, :1] + pv
+      for lo, v in _side_parts(buf, slot, hh, 1, codec, layout, cd):
+        v = jnp.where(fetched, v, 0)
+        pv = jax.lax.dot_general(p.astype(cd), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32, precision=prec)
+        if tensor_scales:
+          pv = pv * scales_ref[1, hh]
+        cols = slice(lo, lo + v.shape[1])
+        acc_ref[hh, :, cols] = acc_ref[hh, :, cols] * alpha[:, :1] + pv
       m_ref[hh] = m_next
 
   def body(step, carry):
@@ -241,9 +248,9 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, *refs, plan: TL.TilePlan, codec: 
     o_ref[hh] = jnp.where(row_ok, out, 0.0).astype(o_ref.dtype)
 
 
-def _side_tile(buf, slot, head: int, side: int, codec: Rows, layout: str, cd):
-  """K (side 0) or V (side 1) of one KV head in buffer half ``slot``: ``(P * N, D)`` in cd."""
-  d = codec.head_size
+def _side_parts(buf, slot, head: int, side: int, codec: Rows, layout: str, cd):
+  """K (side 0) or V (side 1) of one KV head in buffer half ``slot``, as
+  ``[(first head dim, (P * N, width) in cd)]`` (:meth:`Rows.decode_parts`)."""
   start = codec.data_start(side)
 
   def lanes(lo, width):
@@ -251,6 +258,7 @@ def _side_tile(buf, slot, head: int, side: int, codec: Rows, layout: str, cd):
       return buf[slot, :, :, head, pl.ds(lo, width)]
     return buf[slot, :, head, :, pl.ds(lo, width)]   # buf: (2, P, H, N, C)
 
-  scale_bytes = lanes(start + d, 4) if codec.row_scaled else None
-  vals = codec.decode_side(lanes(start, d), scale_bytes, cd)      # (P, N, D)
-  return vals.reshape(vals.shape[0] * vals.shape[1], d)
+  w = codec.data_width
+  scale_bytes = lanes(start + w, 4) if codec.row_scaled else None
+  return [(lo, vals.reshape(vals.shape[0] * vals.shape[1], vals.shape[2]))
+          for lo, vals in codec.decode_parts(lanes(start, w), scale_bytes, cd)]  # (P, N, w')

@@ -9,7 +9,13 @@ float32, same-width bitcasts and integer shifts only. The numbers are the formul
 :mod:`kvjax.quant` themselves (the reference's), bit for bit.
 
 :mod:`.adapters` picks the class of a codec: :class:`PlainRows`, :class:`Fp8Rows` (fp8 with
-per-tensor scales) or :class:`RowScaledRows` (int8 / fp8 data with a float32 scale a row).
+per-tensor scales), :class:`RowScaledRows` (int8 / fp8 data with a float32 scale a row) or
+:class:`Int4Rows` (two int4 values a byte, a float32 scale with its zero point a row).
+
+Formats that pack two values a byte keep even and odd head dims apart (``split_halves``): the
+kernels see the head dim of q, K/V and the output permuted to ``[even dims | odd dims]``
+(:func:`halves_order`, applied around the kernels), so a byte's low nibble belongs to the
+first half and its high nibble to the second, and no lane ever needs interleaving.
 """
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ class Rows:
   tensor_scaled: ClassVar[bool] = False
   #: Whether each side ends in the 4 bytes of a float32 row scale.
   row_scaled: ClassVar[bool] = False
+  #: Whether the kernels see head dims as ``[even | odd]`` (:func:`halves_order`).
+  split_halves: ClassVar[bool] = False
 
   @classmethod
   def of(cls, spec: KVCacheSpec) -> "Rows":
@@ -59,6 +67,16 @@ class Rows:
   def data_start(self, side: int) -> int:
     """First lane of side ``side``'s data (0 = K, 1 = V)."""
     return side * self.side
+
+  @property
+  def data_width(self) -> int:
+    """Storage elements of one side's data (before its row scale, if any)."""
+    return self.head_size
+
+  def decode_parts(self, data, scale_bytes, dtype):
+    """:meth:`decode_side` as ``[(first head dim, values [..., width])]``: the head-dim
+    ranges the values fill (one range, or two where :attr:`split_halves`)."""
+    return [(0, self.decode_side(data, scale_bytes, dtype))]
 
   def encode_side(self, x, recip=None):
     """One side of new tokens: ``x [..., D]`` (model dtype) -> (data ``[..., D]`` in the
@@ -121,3 +139,39 @@ class RowScaledRows(Rows):
     """``[..., 4]`` 8-bit storage elements (little endian) -> float32 ``[..., 1]``."""
     b = quant.to_bits(raw)
     return f32_from_bytes(lambda i: b[..., i:i + 1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Rows(RowScaledRows):
+  """int4 codes ``clamp(round(x / scale + zp), 0, 15)``, two a byte (low nibble: first half of
+  the ``[even | odd]`` head dims), then the float32 scale with the zero point in its low 4
+  mantissa bits (:func:`kvjax.quant.int4_pack_scale`)."""
+  split_halves: ClassVar[bool] = True
+
+  @property
+  def data_width(self) -> int:
+    return self.head_size // 2
+
+  def encode_side(self, x, recip=None):
+    x = x.astype(jnp.float32)                    # [..., D] as [even | odd]
+    lo, hi = jnp.min(x, -1, keepdims=True), jnp.max(x, -1, keepdims=True)
+    scale = quant.int4_scale(lo, hi)
+    r = 1.0 / scale
+    zp = quant.int4_zero_point(lo, r)
+    codes = quant.int4_codes(x, r, zp)
+    half = self.data_width
+    packed = codes[..., :half] | (codes[..., half:] << jnp.uint8(4))
+    return packed, self._scale_bytes(quant.int4_pack_scale(scale, zp))
+
+  def decode_parts(self, data, scale_bytes, dtype):
+    scale, zp = quant.int4_unpack_scale(self._scale_from_bytes(scale_bytes))
+    return [(i * self.data_width, ((q.astype(jnp.float32) - zp) * scale).astype(dtype))
+            for i, q in enumerate(quant.nibbles(data))]
+
+  def decode_side(self, data, scale_bytes, dtype):
+    return jnp.concatenate([v for _, v in self.decode_parts(data, scale_bytes, dtype)], -1)
+
+
+def halves_order(head_size: int) -> np.ndarray:
+  """The head-dim permutation ``[0, 2, 4, ..., 1, 3, 5, ...]`` (even dims, then odd)."""
+  return np.r_[np.arange(0, head_size, 2), np.arange(1, head_size, 2)]
