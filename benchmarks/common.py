@@ -87,6 +87,13 @@ def device_copy_tb_s(nbytes: int = 2 << 30) -> float:
   return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
+def peak_device_gib() -> float:
+  """Peak bytes JAX has held on its first device, GiB (0 where the device does not say)."""
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use", 0) / 2**30
+
+
 def versions() -> dict:
   """Python / jax / jaxlib / torch / triton versions that are importable."""
   out = {"python": platform.python_version()}
