@@ -6,7 +6,7 @@ CPU smoke:  python benchmarks/bench_transfer.py --smoke        (socket only; tin
 
 Model: 32 layers, 8 KV heads, head size 128, 16-token pages, 2,048 tokens a request (NHD);
 bf16 and fp8 caches, per-layer caches (a list of 32 arrays) and layered (one cross-layer
-array). For each (transport, format, form, N requests): the prefill process writes random
+array). For each (transport, format, form, N requests): the prefill process fills its
 pages, offers each request under its own token (all layers, one pull), and reports what an
 offer cost it; this process pulls the N requests one after another into its own caches, each
 pull ending when its pages are in the caches. Two rounds: the first maps the prefill side's
@@ -56,15 +56,23 @@ class Shape:
                              layout="NHD")
 
 
-def random_layers(spec, num_blocks, layers, layered, seed):
-  """Random page bytes: a layered array or a list of one-layer caches."""
+def filled_layers(spec, num_blocks, layers, layered, seed):
+  """Page bytes that differ from byte to byte (a hash of the position, one fused XLA pass, no
+  temporary): a layered array or a list of one-layer caches, committed to the first device."""
   shape = spec.physical_shape(num_blocks, layers) if layered else spec.physical_shape(num_blocks)
-  count = 1 if layered else layers
-  out = []
-  for i in range(count):
-    bits = jax.random.bits(jax.random.PRNGKey(seed + i), shape + (spec.itemsize,), jnp.uint8)
-    bits = bits[..., 0] if spec.itemsize == 1 else bits
-    out.append(jax.lax.bitcast_convert_type(bits, spec.storage_dtype))
+  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[spec.itemsize]
+
+  @jax.jit
+  def fill(i):
+    x = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
+    for axis in range(len(shape) - 1):
+      x = x * jnp.uint32(2654435761) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    x = (x + i) * jnp.uint32(2246822519)
+    return jax.lax.bitcast_convert_type((x >> (32 - 8 * spec.itemsize)).astype(bits),
+                                        spec.storage_dtype)
+
+  out = [jax.device_put(fill(jnp.uint32(seed + i)), jax.devices()[0])
+         for i in range(1 if layered else layers)]
   return out[0] if layered else out
 
 
@@ -79,7 +87,7 @@ def prefill_main(transport: str, smoke: bool):
       spec = shape.spec(job["fmt"])
       pages = -(-job["tokens"] // shape.block)
       count = job["requests"]
-      caches = random_layers(spec, count * pages, shape.layers, job["layered"], job["seed"])
+      caches = filled_layers(spec, count * pages, shape.layers, job["layered"], job["seed"])
       jax.block_until_ready(caches)
       tokens, offer_ms = [], []
       for r in range(count):
@@ -114,8 +122,12 @@ class Prefill:
     return json.loads(line)
 
   def close(self):
-    self.proc.stdin.close()
-    self.proc.wait(timeout=60)
+    try:
+      self.proc.stdin.close()
+      self.proc.wait(timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+      self.proc.kill()
+      self.proc.wait()
 
 
 # -- this (decode) process --------------------------------------------------------------------
@@ -171,7 +183,7 @@ def large(server, prefill, shape, transport, fmt, layered, requests):
   (cold), the second reads memory already mapped (warm: what a serving decode process sees)."""
   spec = shape.spec(fmt)
   pages = -(-shape.tokens // shape.block)
-  caches = random_layers(spec, requests * pages, shape.layers, layered, 7)
+  caches = filled_layers(spec, requests * pages, shape.layers, layered, 7)
   caches, cold, _, _, _ = pull_round(server, prefill, shape, spec, caches, fmt, layered,
                                      requests, 1)
   caches, warm, fetch_s, in_place, got = pull_round(server, prefill, shape, spec, caches, fmt,
@@ -195,7 +207,7 @@ def large(server, prefill, shape, transport, fmt, layered, requests):
 
 def small(server, prefill, shape, transport, fmt, layered):
   spec = shape.spec(fmt)
-  caches = random_layers(spec, SMALL_PULLS, shape.layers, layered, 8)
+  caches = filled_layers(spec, SMALL_PULLS, shape.layers, layered, 8)
   for round_ in range(2):    # the first compiles and maps; the second is timed
     got = prefill.ask(op="offer", fmt=fmt, layered=layered, tokens=shape.block,
                       requests=SMALL_PULLS, seed=99)
@@ -250,7 +262,8 @@ def main():
             except Exception as e:  # noqa: BLE001 - reported, and the next case runs
               log(f"{transport} {fmt} {'layered' if layered else 'per-layer'} {n} requests: "
                   f"{common.first_lines(e)}")
-              prefill.ask(op="release")
+              prefill.close()
+              prefill = Prefill(transport, args.smoke)
     finally:
       prefill.close()
   result = dict(rows, device=common.device_name(), versions=common.versions(),
