@@ -30,6 +30,8 @@ import _host_ipc_memory as HM
 import _peer_process as PP
 import _transfer_data as TD
 import _transfer_gpu_peer as GPEER
+import kvjax
+from kvjax.transfer import all_layers as AL
 from kvjax.transfer import ipc_transport as IPC
 from kvjax.transfer import remote
 from kvjax.transfer import slabs as SL
@@ -146,6 +148,25 @@ def test_a_silent_server_times_out_and_a_closed_one_fails_fast():
   closed.close()
   with pytest.raises(remote.PullError, match="could not connect"):
     decode.fetch(gone, {1: ((1, 256), DEVICE)}, time.monotonic() + 5, 5)
+  decode.close()
+
+
+def test_pulls_into_fresh_and_pulled_caches_share_one_program():
+  """Caches from spec.allocate (uncommitted) and those a pull returns (committed) take the same
+  compiled receive program: the second request of a decode process compiles nothing."""
+  _, prefill, decode = _pair()
+  spec = kvjax.KVCacheSpec(2, 32, 16, layout="HND")
+  src = [spec.allocate(4) for _ in range(3)]
+  caches = [spec.allocate(5) for _ in range(3)]
+  before = AL._land_list._cache_size()
+  for _ in range(3):
+    offer = remote.offer_request_layers(prefill, [src], [1], spec=spec)
+    (caches,), _ = remote.pull_request_layers(decode, prefill.address(), [caches], spec, [2],
+                                              token=offer.token, remote_tp_size=1,
+                                              total_num_kv_heads=2)
+    offer.release()
+  assert AL._land_list._cache_size() == before + 1
+  prefill.close()
   decode.close()
 
 

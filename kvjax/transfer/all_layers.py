@@ -131,6 +131,9 @@ def land_layers(layers: RankLayers, sources, block_ids, spec, reads, *, permute:
   ids = np.asarray(block_ids, np.int32)
   reads = tuple(sorted(reads, key=lambda r: r.local_offset))
   sources = {int(k): v for k, v in sources.items()}
+  # Committed to their device (no copy), so that caches fresh from spec.allocate and the
+  # committed caches a pull returns share one compiled program.
+  layers = jax.device_put(layers, device_of(layers))
   if is_layered(layers):
     return _land_layered(layers, sources, ids, spec, reads, permute, remote_spec)
   return _land_list(list(layers), sources, ids, spec, reads, permute, remote_spec)
