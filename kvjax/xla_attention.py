@@ -78,17 +78,18 @@ def _online_softmax(qg, pos, blocks, seq_lens, cache, spec, *, scale, causal, sl
   l0 = jnp.exp(m0 - jnp.where(jnp.isfinite(m0), m0, 0.0))
   acc0 = jnp.zeros((r, nq, h, g, d), jnp.float32)
 
-  # Pages are gathered as bits: XLA:CPU computes a gather of 16-bit floats in float32, which
-  # would convert the whole cache (once, hoisted out of the loop).
-  bits = quant.to_bits(cache)
+  # The rows' pages, gathered once as bits (XLA:CPU computes a gather of 16-bit floats in
+  # float32, and a gather inside the loop would carry the whole cache through it): [R, M', ...]
+  # in the stored format, the batch's bytes and no more.
+  row_pages = quant.to_bits(cache)[blocks]
 
   def step(j, carry):
     m, l, acc = carry
-    ids = jax.lax.dynamic_slice_in_dim(blocks, j * pages, pages, axis=1)      # [R, P]
-    pages_j = quant.from_bits(bits[ids], cache.dtype)                        # [R, P, *page]
+    bits_j = jax.lax.dynamic_slice_in_dim(row_pages, j * pages, pages, axis=1)
+    pages_j = quant.from_bits(bits_j, cache.dtype)                           # [R, P, *page]
     k, v = spec.codec.dequantize(pages_j, spec, k_scale, v_scale)            # [R, P, N, H, D]
-    k = k.reshape(r, width, h, d)
-    v = v.reshape(r, width, h, d)
+    k = k.astype(jnp.float32).reshape(r, width, h, d)   # float32 dots: XLA:CPU's fast path
+    v = v.astype(jnp.float32).reshape(r, width, h, d)
     key = j * width + key_in_step
     valid = jnp.broadcast_to((key[None, :] < seq_lens[:, None])[:, None, :], (r, nq, width))
     if causal:
