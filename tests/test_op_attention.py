@@ -281,3 +281,33 @@ def test_fp8_query_traced_q_scale_and_errors(rng):
     attend(q8, q_scale=-1.0)
   with pytest.raises(TypeError, match="q_scale must be a float"):
     attend(q8, q_scale="0.5")
+
+
+# -- the step's write and attention in one call ---------------------------------------------------
+@pytest.mark.parametrize("cache_dtype,layout", [("int8_per_token_head", "NHD"),
+                                                pytest.param("nvfp4", "HND", marks=SLOW)])
+@pytest.mark.parametrize("impl", implementations("attention", but=(TOY_BACKEND,)))
+def test_write_and_attend_equals_write_then_attend(rng, impl, cache_dtype, layout):
+  spec = kvjax.KVCacheSpec(num_kv_heads=2, head_size=64, block_size=16, cache_dtype=cache_dtype,
+                           layout=layout)
+  interpret = run_mode("attention", impl, spec, jnp.bfloat16)
+  q_lens, prefix, pad = RAGGED
+  q, cache, meta, _, _ = build_batch(rng, spec, q_lens, prefix, 8, pad, q_dtype=jnp.bfloat16)
+  t = q.shape[0]
+  new = [jnp.asarray(rng.standard_normal((t, 2, 64)), jnp.bfloat16) for _ in range(2)]
+  # the step's tokens go to fresh slots of its sequences' last pages, one padded token skipped
+  slots = jnp.asarray(rng.permutation(cache.shape[0] * 16)[:t].astype(np.int32)).at[-1].set(-1)
+  kw = dict(scale=0.125, max_query_len=None, impl=impl, interpret=interpret,
+            k_scale=0.5 if cache_dtype == "nvfp4" else None,
+            v_scale=2.0 if cache_dtype == "nvfp4" else None)
+  step = jax.jit(lambda q, c, k, v, s, m: kvjax.write_and_attend(q, k, v, s, c, spec, **m, **kw))
+  out, written = step(q, cache, *new, slots, meta)
+  wkw = {k: kw[k] for k in ("k_scale", "v_scale")}
+  want_cache = jax.jit(lambda c, k, v, s: kvjax.write_kv(c, k, v, s, spec, **wkw))(cache, *new,
+                                                                                   slots)
+  want = jax.jit(lambda q, c, m: kvjax.unified_attention(q, c, spec, **m, **kw))(q, want_cache,
+                                                                                 meta)
+  np.testing.assert_array_equal(np.asarray(written).view(np.uint8),
+                                np.asarray(want_cache).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  assert np.isfinite(np.asarray(out, np.float32)[:int(meta["query_start_loc"][-1])]).all()
