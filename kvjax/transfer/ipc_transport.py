@@ -37,6 +37,7 @@ from kvjax.transfer.socket_transport import is_loopback
 #: Addresses of CUDA IPC servers start with this; the rest is the control socket's "IP:port".
 SCHEME = "cuda-ipc://"
 _LEN = struct.Struct("!I")
+_MAX_MESSAGE = 1 << 16   # control messages are a few hundred bytes; a longer one ends the link
 
 
 # -- the control socket: one JSON object per message, after its 4-byte length ----------------
@@ -58,7 +59,7 @@ def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
 def _recv(sock: socket.socket):
   """The next message, or None when the peer closed the connection."""
   head = _recv_exact(sock, _LEN.size)
-  if head is None:
+  if head is None or _LEN.unpack(head)[0] > _MAX_MESSAGE:
     return None
   body = _recv_exact(sock, _LEN.unpack(head)[0])
   return None if body is None else json.loads(body)
