@@ -3,6 +3,8 @@
 Importable by the tests and by the cross-process peer script (tests/_transfer_peer.py).
 """
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -88,3 +90,16 @@ def poison_caches(spec, tp, num_blocks, seed):
 def as_bytes(x):
   return np.asarray(jax.device_get(x)).view(np.uint8)
 
+
+# -- the peer processes' messages -------------------------------------------------------------
+def write_json_atomic(path, obj):
+  """``obj`` as JSON at ``path``, appearing whole (a reader polling for the file never sees
+  half of it)."""
+  with open(path + ".tmp", "w") as f:
+    json.dump(obj, f)
+  os.replace(path + ".tmp", path)
+
+
+def reply(obj):
+  """One JSON line on stdout: a peer's answer to one job."""
+  print(json.dumps(obj), flush=True)

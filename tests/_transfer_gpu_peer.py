@@ -96,16 +96,6 @@ def as_layers_bytes(caches, name):
   return [TD.as_bytes(c) for c in caches]
 
 
-def _write_json_atomic(path, obj):
-  with open(path + ".tmp", "w") as f:
-    json.dump(obj, f)
-  os.replace(path + ".tmp", path)
-
-
-def _reply(obj):
-  print(json.dumps(obj), flush=True)
-
-
 def prefill(seed, out_json, transport, names):
   server = remote.start_server(transport=transport)
   offers = []
@@ -113,10 +103,10 @@ def prefill(seed, out_json, transport, names):
     src = prefill_caches(name, seed)
     offers.append((name, remote.offer_request_layers(server, [src], SRC_BLOCKS,
                                                      spec=spec_of(name), ttl_s=120)))
-  _write_json_atomic(out_json, {"address": server.address(), "offers": [
+  TD.write_json_atomic(out_json, {"address": server.address(), "offers": [
       {"name": name, "token": o.token} for name, o in offers]})
   sys.stdin.readline()
-  _reply({"live_offers": remote.live_offers().count})
+  TD.reply({"live_offers": remote.live_offers().count})
 
 
 def decode(seed, transport):
@@ -139,7 +129,7 @@ def decode(seed, transport):
       outcome = type(e).__name__
     elapsed = time.monotonic() - t0
     np.savez(job["out"], *as_layers_bytes(caches, name))
-    _reply({"outcome": outcome, "elapsed_s": elapsed})
+    TD.reply({"outcome": outcome, "elapsed_s": elapsed})
 
 
 if __name__ == "__main__":

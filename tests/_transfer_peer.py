@@ -73,16 +73,6 @@ SCENARIOS = {sc.request_id: sc for sc in [
 ]}
 
 
-def _write_json_atomic(path, obj):
-  with open(path + ".tmp", "w") as f:
-    json.dump(obj, f)
-  os.replace(path + ".tmp", path)
-
-
-def _reply(obj):
-  print(json.dumps(obj), flush=True)
-
-
 def prefill(seed, out_json, offers_arg):
   server = remote.start_server()
   offers = []
@@ -96,10 +86,10 @@ def prefill(seed, out_json, offers_arg):
     ranks = remote.needed_remote_ranks(sc.d, sc.p, sc.total_heads)
     offers.append((sc.request_id, remote.offer_request(server, caches, SRC_BLOCKS, ranks=ranks,
                                                         ttl_s=float(ttl_s))))
-  _write_json_atomic(out_json, {"address": server.address(), "offers": [
+  TD.write_json_atomic(out_json, {"address": server.address(), "offers": [
       {"request_id": rid, "token": o.token} for rid, o in offers]})
   sys.stdin.readline()   # the test says when the decode side is done (or closes stdin)
-  _reply({"live_offers": remote.live_offers().count})
+  TD.reply({"live_offers": remote.live_offers().count})
 
 
 def decode(seed):
@@ -121,7 +111,7 @@ def decode(seed):
       outcome = type(e).__name__
     elapsed = time.monotonic() - t0
     np.savez(job["out"], **{f"r{r}": TD.as_bytes(c) for r, c in enumerate(caches)})
-    _reply({"outcome": outcome, "elapsed_s": elapsed, "pulled": list(pulled)})
+    TD.reply({"outcome": outcome, "elapsed_s": elapsed, "pulled": list(pulled)})
 
 
 def thief(seed):
@@ -152,7 +142,7 @@ def thief(seed):
         except Exception:  # an error instead of bytes
           pass
     conn._poison_connection()
-    _reply({"attempts": len(attempts), "stolen": stolen})
+    TD.reply({"attempts": len(attempts), "stolen": stolen})
 
 
 if __name__ == "__main__":

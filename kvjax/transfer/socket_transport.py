@@ -4,8 +4,8 @@
 (:meth:`~SocketServer.serve`, :meth:`~SocketServer.fetch`), like
 :class:`kvjax.transfer.ipc_transport.IpcServer`.
 
-Facts of the transfer engine (checked on jax 0.10.2, CPU, and jax 0.11.2, CUDA), which shape
-this module:
+Facts of the transfer engine (checked on jax 0.10.2, CPU; pulls between two processes on one
+GPU also ran on jax 0.11.2, CUDA), which shape this module:
 
 - An offer (``await_pull`` of an id) serves one pull; a pull of an id that is not
   offered (wrong token, already pulled, expired) waits without end, and ``pull``'s own
