@@ -397,7 +397,7 @@ WRITE.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:write_kv",
                interpretable=True)
 ATTENTION.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:ragged_paged_attention",
                    supports="pallas_kernels.mosaic_tpu:supports_attention", platforms=("tpu",),
-                   interpretable=True)
+                   prefer="pallas_kernels.mosaic_tpu:prefer_attention", interpretable=True)
 # Plain XLA ops (jnp): blocked over keys, gathering only the batch's pages; auto takes it on
 # the CPU. (Other platforms once its tests have run compiled there.)
 ATTENTION.register("xla", "kvjax.xla_attention:unified_attention", platforms=("cpu",), xla=True)

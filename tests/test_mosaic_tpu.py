@@ -20,7 +20,7 @@ import pytest
 from jax import export
 from jax.experimental.pallas import tpu as pltpu
 
-from kvjax import KVCacheSpec, MLACacheSpec
+from kvjax import KVCacheSpec, MLACacheSpec, registry
 from kvjax.reference import cache_update as ref_cache
 from kvjax.reference import unified_attention as ref_attention
 from kv_testing import as_bytes, poisoned_cache, poisoned_ragged_batch, random_kv
@@ -33,7 +33,10 @@ _ref_write = jax.jit(ref_cache.write_kv, static_argnums=4)
 
 
 def _scales(rng, spec, per_head):
-  """fp8 per-tensor (k_scale, v_scale): [H] or scalar float32; None for other formats."""
+  """Global (k_scale, v_scale): fp8 per tensor [H] or scalar float32, nvfp4 scalar; None for
+  other formats."""
+  if spec.format.kind == "nvfp4":
+    return tuple(jnp.asarray(rng.uniform(0.05, 0.5), jnp.float32) for _ in range(2))
   if spec.format.kind != "fp8_per_tensor":
     return None, None
   shape = (spec.num_kv_heads,) if per_head else ()
@@ -149,6 +152,7 @@ ATTENTION_CASES = [
     ("NHD", "int4_per_token_head", jnp.bfloat16, 4, 128, None, dict(sinks=True, soft_cap=5.0)),
     pytest.param("HND", "int4_per_token_head", jnp.float32, 1, 64, None,
                  dict(sliding_window=20, max_query_len=32), marks=pytest.mark.slow),
+    ("HND", "nvfp4", jnp.bfloat16, 2, 64, "nvfp4", dict(sinks=True)),   # through a plain copy
 ]
 
 
@@ -208,16 +212,22 @@ def test_supported_formats_and_reasons():
     spec = KVCacheSpec(2, 64, 16, cd, "HND")
     assert mt.supports_write(spec) is None
     assert mt.supports_attention(spec, jnp.bfloat16) is None
-  for cd in ("nvfp4",):
-    spec = KVCacheSpec(2, 64, 16, cd, "HND")
-    why = f"cache_dtype='{cd}' has no Mosaic TPU adapter"
-    assert mt.supports_write(spec).startswith(why)
-    assert mt.supports_attention(spec, jnp.bfloat16).startswith(why)
-    with pytest.raises(ValueError, match=why):
-      mt.write_kv(spec.allocate(2), jnp.zeros((1, 2, 64), jnp.bfloat16),
-                  jnp.zeros((1, 2, 64), jnp.bfloat16), jnp.zeros((1,), jnp.int32), spec)
+  spec = KVCacheSpec(2, 64, 16, "nvfp4", "HND")     # attention through a plain copy only
+  why = "cache_dtype='nvfp4' has no Mosaic TPU adapter"
+  assert mt.supports_write(spec).startswith(why)
+  assert mt.supports_attention(spec, jnp.bfloat16) is None
+  with pytest.raises(ValueError, match=why):
+    mt.write_kv(spec.allocate(2), jnp.zeros((1, 2, 64), jnp.bfloat16),
+                jnp.zeros((1, 2, 64), jnp.bfloat16), jnp.zeros((1,), jnp.int32), spec)
   spec = KVCacheSpec(2, 64, 16)
   assert "q dtype int8" in mt.supports_attention(spec, jnp.int8)
+  call = lambda seqs, blocks: registry.AttentionCall(num_tokens=seqs, num_q_heads=8,
+                                                    num_seqs=seqs, max_blocks=blocks,
+                                                    max_query_len=1)
+  nvfp4 = KVCacheSpec(8, 128, 16, "nvfp4", "HND")
+  assert mt.prefer_attention(nvfp4, jnp.bfloat16, call(8, 64)) is None
+  assert "plain copy" in mt.prefer_attention(nvfp4, jnp.bfloat16, call(256, 4096))
+  assert mt.prefer_attention(spec, jnp.bfloat16, call(256, 4096)) is None   # read in place
   assert "MLACacheSpec" in mt.supports_write(MLACacheSpec())
 
 
@@ -226,7 +236,7 @@ def _export_tpu(f, *args):
 
 
 LOWERING_CASES = [("auto", "NHD", 128), ("int8_per_token_head", "HND", 128),
-                  ("int4_per_token_head", "NHD", 128)] + [
+                  ("int4_per_token_head", "NHD", 128), ("nvfp4", "HND", 128)] + [
     pytest.param(*case, marks=pytest.mark.slow)
     for case in [("bfloat16", "HND", 128), ("fp8", "HND", 128), ("fp8_e5m2", "NHD", 64),
                  ("fp8_per_token_head", "NHD", 128), ("float32", "HND", 64),
@@ -235,15 +245,17 @@ LOWERING_CASES = [("auto", "NHD", 128), ("int8_per_token_head", "HND", 128),
 
 @pytest.mark.parametrize("cache_dtype,layout,head_size", LOWERING_CASES)
 def test_kernels_lower_for_tpu(cache_dtype, layout, head_size):
-  """Both kernels pass Pallas' Mosaic TPU lowering (what jit on a TPU runs before compiling)."""
+  """Both kernels pass Pallas' Mosaic TPU lowering (what jit on a TPU runs before compiling);
+  attention only for nvfp4 (its write is XLA's: the reference)."""
   spec = KVCacheSpec(2, head_size, 16, cache_dtype, layout)
   cache = jax.ShapeDtypeStruct(spec.physical_shape(64), spec.storage_dtype)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  ks = jnp.float32(0.5) if spec.format.kind == "fp8_per_tensor" else None
+  ks = jnp.float32(0.5) if spec.codec.has_tensor_scales else None
   kv = jax.ShapeDtypeStruct((40, 2, head_size), spec.dtype)
-  text = _export_tpu(lambda c, k, v, s: mt.write_kv(c, k, v, s, spec, k_scale=ks, v_scale=ks),
-                     cache, kv, kv, i32(40))
-  assert "tpu_custom_call" in text
+  if mt.supports_write(spec) is None:
+    text = _export_tpu(lambda c, k, v, s: mt.write_kv(c, k, v, s, spec, k_scale=ks, v_scale=ks),
+                       cache, kv, kv, i32(40))
+    assert "tpu_custom_call" in text
   q = jax.ShapeDtypeStruct((64, 8, head_size), jnp.bfloat16)
   for max_query_len in (1, 32):
     text = _export_tpu(

@@ -8,8 +8,9 @@ a one-line reason). ``interpret=True`` runs the kernels on CPU in TPU interpret 
 """
 from pallas_kernels.mosaic_tpu.cache_update import supports_write, write_kv
 from pallas_kernels.mosaic_tpu.adapters import SUPPORTED_CACHE_DTYPES, SUPPORTED_Q_DTYPES
-from pallas_kernels.mosaic_tpu.ragged_attention import (ragged_paged_attention,
+from pallas_kernels.mosaic_tpu.ragged_attention import (prefer_attention, ragged_paged_attention,
                                                         supports_attention)
 
 __all__ = ["write_kv", "ragged_paged_attention", "supports_write", "supports_attention",
+           "prefer_attention",
            "SUPPORTED_CACHE_DTYPES", "SUPPORTED_Q_DTYPES"]

@@ -3,7 +3,9 @@
 Entry point :func:`ragged_paged_attention` (inputs already validated by
 ``kvjax.unified_attention``): prefills with a cached prefix and decodes in one ragged batch,
 GQA of any ratio, causal, sliding window, soft cap, sinks; padding tokens and rows with no
-visible key give 0; metadata outside the contract follows :mod:`kvjax.ragged_batch`.
+visible key give 0; metadata outside the contract follows :mod:`kvjax.ragged_batch`. Formats
+the adapter table has no row hooks for (nvfp4) are read through a plain copy of the batch's
+pages (:mod:`kvjax.plain_copy`).
 
 Plan (details and numbers in docs/tpu.md). One grid program per query tile
 (:mod:`pallas_kernels.mosaic_tpu.tiles`: up to ``bq`` tokens of one sequence x the G query
@@ -28,6 +30,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kvjax import plain_copy as PC
 from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.mosaic_tpu import tiles as TL
@@ -40,12 +43,33 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def supports_attention(spec, q_dtype) -> str | None:
-  """None when :func:`ragged_paged_attention` handles ``spec`` and ``q_dtype``, else a reason."""
-  reason = unsupported_reason(spec)
-  if reason is not None:
-    return reason
+  """None when :func:`ragged_paged_attention` handles ``spec`` and ``q_dtype``, else a reason.
+
+  Every KV cache format: those the adapter table reads in the kernel, the others (nvfp4)
+  through a plain copy of the batch's pages (:func:`reads_a_plain_copy`)."""
+  if not isinstance(spec, KVCacheSpec):
+    return unsupported_reason(spec)
   if np.dtype(q_dtype) not in SUPPORTED_Q_DTYPES:
     return f"q dtype {np.dtype(q_dtype)}: the Mosaic TPU kernel takes bfloat16, float16, float32"
+  return None
+
+
+def reads_a_plain_copy(spec: KVCacheSpec) -> bool:
+  """Whether the kernel reads ``spec``'s pages through a plain copy of the batch's pages in
+  q's dtype (:mod:`kvjax.plain_copy`): formats the adapter table has no row hooks for."""
+  return unsupported_reason(spec) is not None
+
+
+def prefer_attention(spec, q_dtype, call) -> str | None:
+  """The auto rule (registry ``prefer``): every call, but one whose plain copy
+  (:func:`reads_a_plain_copy`) would pass :data:`kvjax.plain_copy.MAX_COPY_BYTES`."""
+  if call is None or not reads_a_plain_copy(spec):
+    return None
+  nbytes = PC.copy_bytes(spec, call.num_seqs, call.max_blocks, q_dtype)
+  if nbytes > PC.MAX_COPY_BYTES:
+    return (f"cache_dtype={spec.cache_dtype!r} is read through a plain copy of the batch's "
+            f"pages, {nbytes / 2**30:.1f} GiB here (more than "
+            f"{PC.MAX_COPY_BYTES / 2**30:.0f} GiB)")
   return None
 
 
@@ -75,6 +99,13 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
   reason = supports_attention(spec, q.dtype)
   if reason is not None:
     raise ValueError(f"mosaic_tpu ragged_paged_attention: {reason}")
+  if reads_a_plain_copy(spec):
+    pages, plain, table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
+                                         dtype=q.dtype)
+    return ragged_paged_attention(
+        q, pages, plain, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=table,
+        scale=scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap,
+        sinks=sinks, max_query_len=max_query_len, interpret=interpret)
   t, hq, d = q.shape
   num_seqs, max_blocks = block_table.shape
   h = spec.num_kv_heads
