@@ -106,7 +106,7 @@ def _landed_layers(sources, spec, reads, permute: bool, remote_spec, num_layers:
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6), donate_argnums=0)
 def _land_list(caches, sources, block_ids, spec, reads, permute, remote_spec):
   pages = _landed_layers(sources, spec, reads, permute, remote_spec, len(caches))
-  return [c.at[block_ids].set(E.from_bytes(p, c.shape[1:], c.dtype))
+  return [c.at[block_ids].set(E.from_bytes(p, c.shape[1:], c.dtype), unique_indices=True)
           for c, p in zip(caches, pages)]
 
 
@@ -116,7 +116,7 @@ def _land_layered(cache, sources, block_ids, spec, reads, permute, remote_spec):
   num_layers = page_shape.pop(spec.layer_axis - 1)
   pages = _landed_layers(sources, spec, reads, permute, remote_spec, num_layers)
   x = E.from_bytes(jnp.concatenate(pages, axis=1), (num_layers, *page_shape), cache.dtype)
-  return cache.at[block_ids].set(jnp.moveaxis(x, 1, spec.layer_axis))
+  return cache.at[block_ids].set(jnp.moveaxis(x, 1, spec.layer_axis), unique_indices=True)
 
 
 def land_layers(layers: RankLayers, sources, block_ids, spec, reads, *, permute: bool,
@@ -126,7 +126,8 @@ def land_layers(layers: RankLayers, sources, block_ids, spec, reads, *, permute:
   sources: remote rank -> uint8 ``[n, L * remote_page_bytes]`` rows (on the rank's device);
   reads, permute: the rank's plan (:func:`kvjax.transfer.execute.rank_plan`).
   Returns the rank's new caches in the form given (a list, or one layered array); the given
-  arrays are donated and updated in place.
+  arrays are donated and updated in place. ``block_ids`` must be distinct (the pulls check
+  it): the writes tell XLA so.
   """
   ids = np.asarray(block_ids, np.int32)
   reads = tuple(sorted(reads, key=lambda r: r.local_offset))
