@@ -268,7 +268,8 @@ def query_input(q, q_scale, scale):
 
   An fp8 query (float8_e4m3fn or float8_e5m2) carries ``q_scale`` (q's real value is
   ``q * q_scale``): it is widened to bfloat16, which holds every fp8 value exactly, and
-  ``q_scale`` is folded into the softmax scale (``scale * q_scale``), so no rounding is added.
+  ``q_scale`` is folded into the softmax scale (``scale * q_scale``): q's values are not
+  rounded, only the product of the two scales is.
   """
   is_fp8 = any(q.dtype == np.dtype(t) for t in FP8_QUERY_DTYPES)
   if q_scale is None:
@@ -277,8 +278,11 @@ def query_input(q, q_scale, scale):
     return q, scale
   if not is_fp8:
     raise ValueError(f"q_scale is for an fp8 q (float8_e4m3fn or float8_e5m2); q is {q.dtype}")
-  vals = host_values(_check_scale_type("q_scale", q_scale))
-  if vals is not None and not (vals.shape == () and np.isfinite(vals) and vals > 0):
+  q_scale = _check_scale_type("q_scale", q_scale)
+  if jnp.shape(q_scale) != ():
+    raise ValueError(f"q_scale must be a scalar, got shape {jnp.shape(q_scale)}")
+  vals = host_values(q_scale)
+  if vals is not None and not (np.isfinite(vals) and vals > 0):
     raise ValueError(f"q_scale must be a finite positive scalar, got {q_scale!r}")
   return q.astype(jnp.bfloat16), scale * q_scale
 

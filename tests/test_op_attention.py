@@ -281,6 +281,8 @@ def test_fp8_query_traced_q_scale_and_errors(rng):
     attend(q8, q_scale=-1.0)
   with pytest.raises(TypeError, match="q_scale must be a float"):
     attend(q8, q_scale="0.5")
+  with pytest.raises(ValueError, match=r"q_scale must be a scalar, got shape \(1,\)"):
+    jax.jit(lambda s: attend(q8, q_scale=s))(jnp.ones((1,), jnp.float32))
 
 
 # -- the step's write and attention in one call ---------------------------------------------------
