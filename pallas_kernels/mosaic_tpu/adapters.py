@@ -3,7 +3,8 @@
 Rows match a codec's facts (:mod:`kvjax.adapters`): plain rows, fp8 rows with per-tensor
 scales, int8 / fp8 rows with a float32 scale a row, and int4 rows (two values a byte, a scale
 and zero point a row). nvfp4 (whose sides are ``[data | block scales]`` splits of a page, not
-rows) has no Mosaic TPU kernels yet.
+rows) has none: the attention kernel reads it through a plain copy of the batch's pages
+(:func:`.ragged_attention.reads_a_plain_copy`) and its write is XLA's.
 """
 from __future__ import annotations
 
