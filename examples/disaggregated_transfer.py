@@ -8,18 +8,19 @@ the socket transport. With it, both run on the first GPU (TP=1 each; the GPU's m
 preallocated, so the two share it) and the pages travel over CUDA IPC: the decode side reads
 them in place in device memory.
 
-A prefill process (TP=2) writes two requests' prompt K/V into head-sharded caches and offers
-each request's pages of all layers at once (kvjax.transfer.remote.offer_request_layers). For
-each request it answers the router with the server address and one capability token; the
-router forwards that message to the decode process (this one, TP=4), which pulls every layer's
-pages by that token, in one pull round, into its own caches at its own block ids
-(pull_request_layers, bounded by timeout_s).
+A prefill process (TP=2; TP=1 with ``--one-gpu``) writes two requests' prompt K/V into
+head-sharded caches and offers each request's pages of all layers at once
+(kvjax.transfer.remote.offer_request_layers). For each request it answers the router with the
+server address and one capability token; the router forwards that message to the decode
+process (this one, TP=4; TP=1 with ``--one-gpu``), which pulls every layer's pages by that
+token, in one pull round, into its own caches at its own block ids (pull_request_layers,
+bounded by timeout_s).
 
 - Request 1: the pull succeeds; the decode side tells the prefill side (through the router)
   that it is done, and the prefill side releases the offer at once instead of at its TTL.
 - Request 2: the prefill process dies after answering the router. The pull raises
-  TimeoutError or PullError, the decode caches stay as they were, and the decode side recomputes the
-  request's prefill itself.
+  TimeoutError or PullError, the decode caches stay as they were, and the decode side
+  recomputes the request's prefill itself.
 Both requests' decode attention is checked against attention over one unsharded cache
 written directly. See docs/transfers.md for the trust model.
 """
