@@ -33,6 +33,7 @@ import _transfer_gpu_peer as GPEER
 import kvjax
 from kvjax.transfer import all_layers as AL
 from kvjax.transfer import ipc_transport as IPC
+from kvjax.transfer.addresses import CUDA_IPC_SCHEME
 from kvjax.transfer import remote
 from kvjax.transfer import slabs as SL
 
@@ -137,7 +138,7 @@ def test_a_silent_server_times_out_and_a_closed_one_fails_fast():
   silent = socket.create_server(("127.0.0.1", 0))    # accepts, never answers
   accepted = []
   threading.Thread(target=lambda: accepted.append(silent.accept()), daemon=True).start()
-  address = f"{IPC.SCHEME}127.0.0.1:{silent.getsockname()[1]}"
+  address = f"{CUDA_IPC_SCHEME}127.0.0.1:{silent.getsockname()[1]}"
   t0 = time.monotonic()
   with pytest.raises(TimeoutError, match="within 1 s"):
     decode.fetch(address, {1: ((1, 256), DEVICE)}, time.monotonic() + 1.0, 1.0)
@@ -218,7 +219,7 @@ def test_two_processes_one_gpu_every_format(rng, tmp_path, gpu_peers, transport)
   decode = gpu_peers("decode", "decode", seed, transport)
   want = {n: [TD.as_bytes(x) for x in GPEER.expected_decode_layers(n, seed)] for n in names}
   router = prefill.wait_json(router_file)
-  assert router["address"].startswith(IPC.SCHEME if transport == "cuda_ipc" else "127.0.0.1:")
+  assert router["address"].startswith(CUDA_IPC_SCHEME if transport == "cuda_ipc" else "127.0.0.1:")
   for i, name in enumerate(names):
     res, got = _ask_pull(decode, router, i, 60, tmp_path / f"{name}.npz")
     assert res["outcome"] == "ok", (name, res)

@@ -29,13 +29,11 @@ from typing import Callable, Dict, Optional, Tuple
 
 import jax
 
+from kvjax.transfer.addresses import CUDA_IPC_SCHEME, is_loopback, split_cuda_ipc
 from kvjax.transfer.cuda_driver import CudaIpcMemory
 from kvjax.transfer.errors import PullError
 from kvjax.transfer.slabs import DEFAULT_SLAB_BYTES, Piece, Slabs
-from kvjax.transfer.socket_transport import is_loopback
 
-#: Addresses of CUDA IPC servers start with this; the rest is the control socket's "IP:port".
-SCHEME = "cuda-ipc://"
 _LEN = struct.Struct("!I")
 _MAX_MESSAGE = 1 << 16   # control messages are a few hundred bytes; a longer one ends the link
 
@@ -63,17 +61,6 @@ def _recv(sock: socket.socket):
     return None
   body = _recv_exact(sock, _LEN.unpack(head)[0])
   return None if body is None else json.loads(body)
-
-
-def split_address(address: str) -> Tuple[str, int]:
-  """(host, port) of ``"cuda-ipc://IP:port"``; ValueError naming what came otherwise."""
-  if not isinstance(address, str) or not address.startswith(SCHEME):
-    raise ValueError(f"address must be a CUDA IPC server's address ({SCHEME}IP:port), got "
-                     f"{address!r}")
-  host, sep, port = address[len(SCHEME):].rpartition(":")
-  if not sep or not port.isdigit():
-    raise ValueError(f"address must be {SCHEME}IP:port, got {address!r}")
-  return host.strip("[]"), int(port)
 
 
 class _Entry:
@@ -112,7 +99,7 @@ class IpcServer:
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     self._listener = socket.create_server((host.strip("[]"), int(port)), family=family)
     bound = self._listener.getsockname()
-    self._address = f"{SCHEME}{host}:{bound[1]}"
+    self._address = f"{CUDA_IPC_SCHEME}{host}:{bound[1]}"
     self.memory = memory or CudaIpcMemory()
     self.slab_bytes = int(slab_bytes)
     self._lock = threading.Lock()
@@ -227,7 +214,7 @@ class IpcServer:
     Raises TimeoutError at ``deadline`` (``time.monotonic()`` seconds) and PullError on an
     error answer or a lost connection.
     """
-    host, port = split_address(address)
+    host, port = split_cuda_ipc(address)
     client = self._client(address, host, port, deadline, timeout_s)
     got: Dict[int, Tuple[str, int]] = {}
     with client.lock:
@@ -340,4 +327,4 @@ def _nbytes(shape) -> int:
   return n
 
 
-__all__ = ["SCHEME", "IpcServer", "split_address"]
+__all__ = ["IpcServer"]

@@ -35,6 +35,7 @@ from kvjax.transfer import all_layers as AL
 from kvjax.transfer import execute as E
 from kvjax.transfer import plan as PL
 from kvjax.transfer import socket_transport
+from kvjax.transfer.addresses import is_loopback
 from kvjax.transfer import topology as T
 from kvjax.transfer.errors import PullError
 from kvjax.transfer.ipc_transport import IpcServer
@@ -47,7 +48,6 @@ DEFAULT_TTL_S = 60.0
 DEFAULT_TIMEOUT_S = 30.0
 
 
-is_loopback = socket_transport.is_loopback
 TRANSPORTS = ("socket", "cuda_ipc")
 
 

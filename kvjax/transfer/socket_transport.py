@@ -24,25 +24,14 @@ GPU also ran on jax 0.11.2, CUDA), which shape this module:
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import time
 from typing import Callable, Dict, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
+from kvjax.transfer.addresses import is_cuda_ipc, is_loopback
 from kvjax.transfer.errors import PullError
-
-
-def is_loopback(address: str) -> bool:
-  """True for ``"IP:port"`` / ``"[IPv6]:port"`` with a loopback IP literal (127.0.0.0/8, ::1)."""
-  host, sep, _ = str(address).rpartition(":")
-  if not sep:
-    return False
-  try:
-    return ipaddress.ip_address(host.strip("[]")).is_loopback
-  except ValueError:
-    return False
 
 
 def _transfer_module():
@@ -92,7 +81,7 @@ class SocketServer:
     Raises TimeoutError at ``deadline`` (``time.monotonic()`` seconds) and PullError as soon
     as one pull ends in an error; either way the connection is poisoned first.
     """
-    if address.startswith("cuda-ipc://"):
+    if is_cuda_ipc(address):
       raise ValueError(f"address {address!r} is a CUDA IPC server's: pull with a server of "
                        "transport='cuda_ipc'")
     conn = self.raw.connect(address)
@@ -154,4 +143,4 @@ def start(client=None, address: str = "127.0.0.1:0",
                                                                transport_addresses))
 
 
-__all__ = ["SocketServer", "start", "is_loopback", "deadline_datetime"]
+__all__ = ["SocketServer", "start", "deadline_datetime"]
