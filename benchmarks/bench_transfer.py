@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvjax  # noqa: E402
+from kvjax import pages  # noqa: E402
 from kvjax.transfer import remote  # noqa: E402
 from benchmarks import common  # noqa: E402
 
@@ -146,6 +147,27 @@ def copy_gb_s(nbytes: int) -> float:
   return nbytes / (ms * 1e-3) / 1e9
 
 
+def receive_gb_s(spec, nbytes: int) -> float:
+  """The receive's device work alone: one request's bytes as one-layer page rows (uint8, as
+  pulled) stored by ``kvjax.pages.store_pages`` (the op a pull lands pages with) into a
+  cache of twice as many blocks, at scattered block ids; GB/s of the request's bytes."""
+  page = spec.page_bytes
+  n = nbytes // page
+  table = jax.random.bits(jax.random.PRNGKey(1), (2 * n, page), jnp.uint8)
+  table = jax.lax.bitcast_convert_type(table.reshape(2 * n, -1, spec.itemsize),
+                                       spec.storage_dtype) if spec.itemsize > 1 else table
+  rows = jax.random.bits(jax.random.PRNGKey(2), (n, page), jnp.uint8)
+  ids = jnp.asarray(np.random.default_rng(0).permutation(2 * n)[:n].astype(np.int32))
+  store = jax.jit(pages.store_pages, donate_argnums=0)
+  box = [table]
+
+  def step(r, i):
+    box[0] = store(box[0], r, i)
+    return box[0]
+  ms = common.time_jax(step, rows, ids, reps=5, inner=5)
+  return nbytes / (ms * 1e-3) / 1e9
+
+
 class FetchClock:
   """The pull side of a server, timing its fetches (control round trip, mapping, views)."""
 
@@ -195,11 +217,13 @@ def large(server, prefill, shape, transport, fmt, layered, requests):
              requests=requests, request_mib=nbytes / 2**20, gb_s=total / warm / 1e9,
              cold_gb_s=total / cold / 1e9, fetch_share=fetch_s / warm, in_place=in_place,
              offer_ms=got["offer_ms"], copy_gb_s=copy_gb_s(nbytes),
+             receive_gb_s=receive_gb_s(spec, nbytes),
              peak_gib=common.peak_device_gib())
   row["of_copy"] = row["gb_s"] / row["copy_gb_s"]
   log(f"{transport:8s} {fmt:4s} {row['form']:9s} {requests:3d} x {nbytes / 2**20:6.1f} MiB: "
       f"{row['gb_s']:7.2f} GB/s = {row['of_copy']:6.1%} of the device copy "
-      f"({row['copy_gb_s']:.0f} GB/s); first round {row['cold_gb_s']:.2f} GB/s; fetch "
+      f"({row['copy_gb_s']:.0f} GB/s); the receive's device work alone "
+      f"{row['receive_gb_s']:.0f} GB/s; first round {row['cold_gb_s']:.2f} GB/s; fetch "
       f"{row['fetch_share']:.0%} of a pull; in place {in_place}; offer {row['offer_ms']:.2f} ms; "
       f"peak {row['peak_gib']:.1f} GiB")
   return row

@@ -60,7 +60,7 @@ def kernel_reason(spec: KVCacheSpec) -> Optional[str]:
     return None
   return (f"a layer's page of a layered {spec.layout} cache is {spec.head_slots} strided pieces "
           "(the layer axis sits inside the page), which this kernel cannot address in place "
-          "and would copy: use an NHD layered cache, one layer's 4-D cache, or impl='reference'")
+          "and would copy: use an NHD layered cache, one layer's 4-D cache, or impl='xla'")
 
 
 def attention_condition(spec: KVCacheSpec):

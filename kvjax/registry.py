@@ -9,6 +9,8 @@ Ops and the signature every implementation of them takes:
   sliding_window, soft_cap, sinks, k_scale, v_scale, max_query_len[, interpret]) -> out``
 - :data:`READ` (the dequantize step of ``kvjax.read_kv``):
   ``fn(pages, spec, *, k_scale, v_scale[, interpret]) -> (k, v)``
+- :data:`PAGES` (``kvjax.pages.store_pages``, a transfer's receive):
+  ``fn(table, rows, block_ids, *, column[, interpret]) -> table``
 
 ``interpret`` is passed to implementations registered as ``interpretable`` (Pallas kernels)
 only. Arguments arrive validated by the public op: implementations do not re-check them.
@@ -19,7 +21,7 @@ outputs and reads around them (:mod:`kvjax.rotation`).
 An implementation declares where it runs compiled (``platforms``: "cpu", "gpu", "tpu") and,
 through its ``supports`` function, which calls it handles: ``supports(*args) -> None`` (yes)
 or a string saying why not. The arguments of ``supports`` per op: WRITE and READ ``(spec,)``,
-ATTENTION ``(spec, q_dtype)``. An implementation that is faster than the ones after it only
+ATTENTION ``(spec, q_dtype)``, PAGES ``(storage dtype, page width in elements)``. An implementation that is faster than the ones after it only
 for some calls also gives a ``prefer`` rule, ``prefer(*args, call) -> None | reason``, with
 ``call`` the static facts of the call (:class:`AttentionCall` for ATTENTION, None when
 unknown): ``auto`` passes it over where the rule says no, a named ``impl`` runs regardless.
@@ -42,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 from typing import Callable, List, Optional, Tuple, Union
 
 import jax
@@ -337,13 +340,15 @@ class Registry:
 WRITE = Registry("write")
 ATTENTION = Registry("attention")
 READ = Registry("read")
-REGISTRIES = {"write": WRITE, "attention": ATTENTION, "read": READ}
+PAGES = Registry("pages")
+REGISTRIES = {"write": WRITE, "attention": ATTENTION, "read": READ, "pages": PAGES}
 
 
 def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
             platform: Optional[str] = None, call: Optional[AttentionCall] = None,
             layered: bool = False) -> Choice:
-  """Which implementation runs ``op`` ("write", "attention" or "read") for ``spec``, and why.
+  """Which implementation runs ``op`` ("write", "attention", "read" or "pages") for ``spec``,
+  and why.
 
   ``q_dtype``: the query dtype (attention; default the spec's model dtype). ``platform``:
   decide for "cpu", "gpu" or "tpu" (or a device platform name: "cuda", "rocm") instead of
@@ -367,7 +372,12 @@ def explain(op: str, spec, q_dtype=None, *, impl: str = "auto", interpret=None,
       raise ValueError(f"platform={platform!r} must be one of {list(PLATFORMS)} (or a device "
                        f"platform name: {sorted(DEVICE_PLATFORMS)}), or None for the default "
                        "backend")
-  args = (spec, spec.dtype if q_dtype is None else q_dtype) if op == "attention" else (spec,)
+  if op == "attention":
+    args = (spec, spec.dtype if q_dtype is None else q_dtype)
+  elif op == "pages":
+    args = (spec.storage_dtype, math.prod(spec.physical_shape(1)[1:]))
+  else:
+    args = (spec,)
   also = None
   if layered and op == "attention":
     from kvjax.layers import attention_condition
@@ -387,6 +397,9 @@ ATTENTION.register("pallas", f"{_TRITON}.attention:unified_attention",
 READ.register("pallas", f"{_TRITON}.dequant:dequantize_pages",
               supports=f"{_TRITON}.dequant:supports_read", platforms=("gpu",),
               interpretable=True)
+PAGES.register("pallas", f"{_TRITON}.page_copy:store_pages",
+               supports=f"{_TRITON}.page_copy:supports_pages", platforms=("gpu",),
+               interpretable=True)
 # Mosaic GPU (Hopper): before the Triton kernels, taken by auto where its measured rule
 # (pallas_kernels.mosaic_gpu.attention.prefer_attention) says it is faster.
 ATTENTION.register("mosaic_gpu", "pallas_kernels.mosaic_gpu:unified_attention",
@@ -399,8 +412,11 @@ ATTENTION.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:ragged_paged_attenti
                    supports="pallas_kernels.mosaic_tpu:supports_attention", platforms=("tpu",),
                    prefer="pallas_kernels.mosaic_tpu:prefer_attention", interpretable=True)
 # Plain XLA ops (jnp): blocked over keys, gathering only the batch's pages; auto takes it on
-# the CPU. (Other platforms once its tests have run compiled there.)
-ATTENTION.register("xla", "kvjax.xla_attention:unified_attention", platforms=("cpu",), xla=True)
+# the CPU, and on a GPU for calls no kernel above supports. (TPU once its tests have run
+# compiled there.)
+ATTENTION.register("xla", "kvjax.xla_attention:unified_attention", platforms=("cpu", "gpu"),
+                   xla=True)
 WRITE.register("reference", "kvjax.reference.cache_update:write_kv", xla=True)
 ATTENTION.register("reference", "kvjax.reference.attention:unified_attention", xla=True)
 READ.register("reference", "kvjax.views:dequantize_stored", xla=True)
+PAGES.register("reference", "kvjax.pages:store_pages_reference", xla=True)

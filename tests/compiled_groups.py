@@ -36,7 +36,7 @@ GROUPS = {
     "torch": ["tests/test_torch_backend.py", "tests/test_torch_bridge.py",
               "tests/test_torch_layered.py", "tests/test_vllm_adapter.py",
               "tests/test_facade_buckets.py"],
-    "transfer": ["tests/test_transfer_ipc.py"],
+    "transfer": ["tests/test_transfer_ipc.py", "tests/test_pages.py"],
 }
 _OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 

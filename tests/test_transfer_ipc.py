@@ -95,6 +95,28 @@ def test_one_pull_per_offer_and_errors_answered_at_once(rng):
   assert not mem.buffers and mem.closed == mem.opened
 
 
+def test_views_of_memory_read_in_place_are_imported_once_per_piece(rng):
+  mem = HM.HostMemory()
+  mem.views_alias = True                            # as CUDA IPC views are (here: bookkeeping)
+  prefill, decode = IPC.IpcServer(memory=mem), IPC.IpcServer(memory=mem)
+  got = []
+  for tid in (1, 2, 3):
+    withdraw = prefill.serve({tid: _rows(rng, 2, 512)}, ttl_s=30)
+    arrays, done = decode.fetch(prefill.address(), {tid: ((2, 512), DEVICE)},
+                                time.monotonic() + 30, 30)
+    got.append((mem.fills[-1], arrays[tid]))
+    done()
+    withdraw()
+    deadline = time.monotonic() + 10                # the server handles "done" on its thread
+    while prefill._entries and time.monotonic() < deadline:
+      time.sleep(0.01)
+  same_piece = [a for ptr, a in got if ptr == got[0][0]]
+  assert len(same_piece) >= 2 and all(a is same_piece[0] for a in same_piece)
+  assert len(mem.views) == len({ptr for ptr, _ in got})   # one import per piece address
+  prefill.close()
+  decode.close()
+
+
 def test_release_during_a_read_frees_the_piece_after_the_acknowledgement(rng):
   mem, prefill, decode = _pair()
   withdraw = prefill.serve({1: _rows(rng, 2, 512)}, ttl_s=30)

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import KVCacheSpec
+from kvjax import KVCacheSpec, registry
 from kvjax.xla_attention import XlaAttentionConfig, unified_attention as xla_attention
 
-# The XLA attention is registered for the CPU only (kvjax/registry.py); on a GPU machine the
-# compiled tier leaves this module out.
-pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
-                                reason="the XLA attention is registered for the CPU only")
+# Runs where the XLA attention is registered (kvjax/registry.py): compiled on those platforms.
+pytestmark = pytest.mark.skipif(
+    registry.platform() not in registry.ATTENTION.get("xla").platforms,
+    reason="the XLA attention is not registered for this platform")
 
 
 def _batch(rng, spec, num_seqs, ctx, q_len, num_blocks, hq):

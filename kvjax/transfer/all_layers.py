@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import pages
 from kvjax.transfer import execute as E
 
 #: A rank's caches of all layers: L one-layer arrays, or one layered array.
@@ -103,20 +104,53 @@ def _landed_layers(sources, spec, reads, permute: bool, remote_spec, num_layers:
           for l in range(num_layers)]
 
 
+def _whole_pages(spec, reads, permute: bool, remote_spec) -> bool:
+  """True when the plan reads every local page whole from one remote rank's page (same
+  heads, same layout): the pulled rows then go into the caches as they are."""
+  return (not permute and len(reads) == 1 and reads[0].remote_offset == 0
+          and reads[0].length == spec.page_bytes == remote_spec.page_bytes)
+
+
+def _as_table(cache):
+  """A cache ``[B, ...]`` as its page rows ``[B, W]`` (free)."""
+  return cache.reshape(cache.shape[0], -1)
+
+
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6), donate_argnums=0)
 def _land_list(caches, sources, block_ids, spec, reads, permute, remote_spec):
-  pages = _landed_layers(sources, spec, reads, permute, remote_spec, len(caches))
-  return [c.at[block_ids].set(E.from_bytes(p, c.shape[1:], c.dtype), unique_indices=True)
-          for c, p in zip(caches, pages)]
+  if _whole_pages(spec, reads, permute, remote_spec):   # layer l: columns l * W of the rows
+    (rows,) = sources.values()
+    return [pages.store_pages(_as_table(c), rows, block_ids, column=l * _as_table(c).shape[1]
+                              ).reshape(c.shape) for l, c in enumerate(caches)]
+  landed = _landed_layers(sources, spec, reads, permute, remote_spec, len(caches))
+  return [pages.store_pages(_as_table(c), p, block_ids).reshape(c.shape)
+          for c, p in zip(caches, landed)]
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6), donate_argnums=0)
 def _land_layered(cache, sources, block_ids, spec, reads, permute, remote_spec):
+  if spec.layer_axis == 1 and _whole_pages(spec, reads, permute, remote_spec):
+    (rows,) = sources.values()      # NHD: a block's pages of every layer are one run
+    return pages.store_pages(_as_table(cache), rows, block_ids).reshape(cache.shape)
   page_shape = list(cache.shape[1:])
   num_layers = page_shape.pop(spec.layer_axis - 1)
-  pages = _landed_layers(sources, spec, reads, permute, remote_spec, num_layers)
-  x = E.from_bytes(jnp.concatenate(pages, axis=1), (num_layers, *page_shape), cache.dtype)
+  landed = _landed_layers(sources, spec, reads, permute, remote_spec, num_layers)
+  x = E.from_bytes(jnp.concatenate(landed, axis=1), (num_layers, *page_shape), cache.dtype)
   return cache.at[block_ids].set(jnp.moveaxis(x, 1, spec.layer_axis), unique_indices=True)
+
+
+def _committed(layers: RankLayers) -> RankLayers:
+  """The caches committed to their device (no copy), so that caches fresh from
+  ``spec.allocate`` and the committed caches a pull returns share one compiled program. (Only
+  uncommitted arrays are put: a device_put per array costs more than the pull of a small
+  request.)"""
+  if is_layered(layers):
+    return layers if layers.committed else jax.device_put(layers, device_of(layers))
+  layers = list(layers)
+  if all(a.committed for a in layers):
+    return layers
+  device = device_of(layers)
+  return [a if a.committed else jax.device_put(a, device) for a in layers]
 
 
 def land_layers(layers: RankLayers, sources, block_ids, spec, reads, *, permute: bool,
@@ -132,9 +166,7 @@ def land_layers(layers: RankLayers, sources, block_ids, spec, reads, *, permute:
   ids = np.asarray(block_ids, np.int32)
   reads = tuple(sorted(reads, key=lambda r: r.local_offset))
   sources = {int(k): v for k, v in sources.items()}
-  # Committed to their device (no copy), so that caches fresh from spec.allocate and the
-  # committed caches a pull returns share one compiled program.
-  layers = jax.device_put(layers, device_of(layers))
+  layers = _committed(layers)
   if is_layered(layers):
     return _land_layered(layers, sources, ids, spec, reads, permute, remote_spec)
   return _land_list(list(layers), sources, ids, spec, reads, permute, remote_spec)

@@ -170,6 +170,9 @@ class CudaIpcMemory:
   def close(self, device, mapped: int) -> None:
     close_ipc_handle(self._ordinal(device), mapped)
 
+  #: :meth:`view` reads the memory in place: a view stays valid for reuse while mapped.
+  views_alias = True
+
   def view(self, ptr: int, shape: Tuple[int, ...], device) -> jax.Array:
     """uint8 ``shape`` at ``ptr`` as a JAX array on ``device``, without a copy."""
     arr = jnp.asarray(_DeviceBytes(ptr, shape))

@@ -20,6 +20,7 @@ host that can reach it and holds a token can read that offer. It binds only loop
 """
 from __future__ import annotations
 
+import collections
 import json
 import socket
 import struct
@@ -36,6 +37,7 @@ from kvjax.transfer.slabs import DEFAULT_SLAB_BYTES, Piece, Slabs
 
 _LEN = struct.Struct("!I")
 _MAX_MESSAGE = 1 << 16   # control messages are a few hundred bytes; a longer one ends the link
+_MAX_VIEWS = 256         # imported views kept for reuse (views only: they hold no memory)
 
 
 # -- the control socket: one JSON object per message, after its 4-byte length ----------------
@@ -107,6 +109,10 @@ class IpcServer:
     self._slabs: Dict[object, Slabs] = {}           # device -> its slabs
     self._clients: Dict[str, _Client] = {}          # address -> connection (pull side)
     self._mapped: Dict[Tuple[object, bytes], int] = {}   # (device, handle) -> mapped start
+    # (device, address, shape) -> the JAX array viewing that memory in place (where the
+    # memory's views alias it): importing a view costs more than the rest of a small pull,
+    # and pieces of one size come back at the same offsets
+    self._views: "collections.OrderedDict[tuple, jax.Array]" = collections.OrderedDict()
     self._closed = False
     threading.Thread(target=self._accept, name="kvjax-ipc-accept", daemon=True).start()
 
@@ -157,6 +163,7 @@ class IpcServer:
       if self._closed:
         conn.close()
         return
+      conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # answers go out at once
       threading.Thread(target=self._answer, args=(conn,), name="kvjax-ipc-conn",
                        daemon=True).start()
 
@@ -294,7 +301,20 @@ class IpcServer:
       mapped = self.memory.open(device, key[1])
       with self._lock:
         self._mapped[key] = mapped
-    return self.memory.view(mapped + offset, shape, device)
+    if not getattr(self.memory, "views_alias", False):   # a view that copies: never reused
+      return self.memory.view(mapped + offset, shape, device)
+    view_key = (device, mapped + offset, tuple(shape))
+    with self._lock:
+      view = self._views.get(view_key)
+      if view is not None:
+        self._views.move_to_end(view_key)
+        return view
+    view = self.memory.view(mapped + offset, shape, device)
+    with self._lock:
+      self._views[view_key] = view
+      while len(self._views) > _MAX_VIEWS:
+        self._views.popitem(last=False)
+    return view
 
   def close(self) -> None:
     """Stop answering, unmap what this process mapped, free this server's slabs. Offers not
@@ -305,6 +325,7 @@ class IpcServer:
       self._closed = True
       clients, self._clients = list(self._clients.values()), {}
       mapped, self._mapped = dict(self._mapped), {}
+      self._views.clear()
       slabs, self._slabs = list(self._slabs.values()), {}
       self._entries.clear()
     try:

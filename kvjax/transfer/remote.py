@@ -23,6 +23,7 @@ untouched when a pull fails; docs/transfers.md has the trust model and the measu
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Dict, List, Optional, Sequence
@@ -262,7 +263,7 @@ def pull_request_layers(server, address: str, decode_rank_layers: Sequence[AL.Ra
   out = []
   try:
     for r, (reads, permute) in enumerate(plans):
-      sources = {s: jax.device_put(pulled[s], devices[r]) for s in {x.remote_rank for x in reads}}
+      sources = {s: _on(pulled[s], devices[r]) for s in {x.remote_rank for x in reads}}
       out.append(AL.land_layers(decode_rank_layers[r], sources, dst, spec, reads,
                                 permute=permute, remote_spec=rspec))
   finally:
@@ -271,18 +272,26 @@ def pull_request_layers(server, address: str, decode_rank_layers: Sequence[AL.Ra
   return out, sorted(pulled)
 
 
+def _on(x: jax.Array, device) -> jax.Array:
+  """``x`` committed to ``device`` (as it is, when it already is: a put costs a small pull's
+  time)."""
+  return x if x.committed and x.devices() == {device} else jax.device_put(x, device)
+
+
 def _dst_ids(dst_block_ids, num_blocks: int) -> np.ndarray:
   if np.size(dst_block_ids) == 0:
     raise ValueError("dst_block_ids must name at least one block")
   return E._check_block_ids_distinct(dst_block_ids, num_blocks)
 
 
+@functools.lru_cache(maxsize=64)
 def _plans(spec, d: int, remote_tp_size: int, total_num_kv_heads: int, is_mla: bool):
-  """(per decode rank (reads, permute), the remote per-rank spec)."""
+  """(per decode rank (reads, permute), the remote per-rank spec); cached: every request of
+  a decode process has the same ones."""
   mla = is_mla or isinstance(spec, S.MLACacheSpec)
   rspec = spec if mla else T.remote_spec(spec, remote_tp_size, total_num_kv_heads)
-  plans = [E.rank_plan(spec, tp_rank=r, tp_size=d, remote_tp_size=remote_tp_size,
-                       total_num_kv_heads=total_num_kv_heads, is_mla=mla) for r in range(d)]
+  plans = tuple(E.rank_plan(spec, tp_rank=r, tp_size=d, remote_tp_size=remote_tp_size,
+                        total_num_kv_heads=total_num_kv_heads, is_mla=mla) for r in range(d))
   return plans, rspec
 
 
