@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import pages as kv_pages
 from kvjax import spec as S
 from kvjax.transfer import plan as PL
 from kvjax.transfer import topology as T
@@ -59,11 +60,10 @@ def gather_page_bytes(cache, block_ids):
 
 @functools.partial(jax.jit, donate_argnums=0)
 def scatter_page_bytes(cache, pages, block_ids):
-  """Write byte pages (uint8 ``[n, page_bytes]``) into ``cache`` at ``block_ids``; donated.
-
-  Only the pages change type (a bitcast); the cache is updated in place in its own dtype.
-  """
-  return cache.at[block_ids].set(from_bytes(pages, cache.shape[1:], cache.dtype))
+  """Write byte pages (uint8 ``[n, page_bytes]``) into ``cache`` at distinct ``block_ids``;
+  donated: in place, bit for bit (:func:`kvjax.pages.store_pages`)."""
+  table = cache.reshape(cache.shape[0], -1)
+  return kv_pages.store_pages(table, pages, block_ids).reshape(cache.shape)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
