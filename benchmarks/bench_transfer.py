@@ -99,7 +99,8 @@ def prefill_main(transport: str, smoke: bool):
         offers.append(offer)
         tokens.append(offer.token)
       reply = {"address": server.address(), "tokens": tokens,
-               "offer_ms": statistics.median(offer_ms), "request_bytes": offers[-1].nbytes}
+               "offer_ms": statistics.median(offer_ms), "request_bytes": offers[-1].nbytes,
+               "prefill_peak_gib": common.peak_device_gib()}
     else:   # "release"
       for o in offers:
         o.release()
@@ -112,7 +113,11 @@ class Prefill:
   def __init__(self, transport: str, smoke: bool):
     args = [sys.executable, os.path.abspath(__file__), "--role", "prefill", "--transport",
             transport] + (["--smoke"] if smoke else [])
-    self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # The platform allocator gives the memory XLA frees (the fill's temporaries) back to the
+    # driver, where the offers' shareable slabs are allocated; XLA's default pool keeps it.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_ALLOCATOR="platform")
+    self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=env)
 
   def ask(self, **job):
     self.proc.stdin.write(json.dumps(job) + "\n")
@@ -218,14 +223,14 @@ def large(server, prefill, shape, transport, fmt, layered, requests):
              cold_gb_s=total / cold / 1e9, fetch_share=fetch_s / warm, in_place=in_place,
              offer_ms=got["offer_ms"], copy_gb_s=copy_gb_s(nbytes),
              receive_gb_s=receive_gb_s(spec, nbytes),
-             peak_gib=common.peak_device_gib())
+             peak_gib=common.peak_device_gib(), prefill_peak_gib=got["prefill_peak_gib"])
   row["of_copy"] = row["gb_s"] / row["copy_gb_s"]
   log(f"{transport:8s} {fmt:4s} {row['form']:9s} {requests:3d} x {nbytes / 2**20:6.1f} MiB: "
       f"{row['gb_s']:7.2f} GB/s = {row['of_copy']:6.1%} of the device copy "
       f"({row['copy_gb_s']:.0f} GB/s); the receive's device work alone "
       f"{row['receive_gb_s']:.0f} GB/s; first round {row['cold_gb_s']:.2f} GB/s; fetch "
       f"{row['fetch_share']:.0%} of a pull; in place {in_place}; offer {row['offer_ms']:.2f} ms; "
-      f"peak {row['peak_gib']:.1f} GiB")
+      f"peak {row['peak_gib']:.1f} GiB here, {row['prefill_peak_gib']:.1f} GiB in the prefill process")
   return row
 
 
