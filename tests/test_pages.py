@@ -59,6 +59,21 @@ def test_named_rows_get_the_bits_and_nothing_else_changes(name, dtype, width, co
 
 
 @pytest.mark.parametrize("name", implementations("pages"))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
+def test_negative_ids_skip_their_rows(name, dtype):
+  interpret = run_mode("pages", name, jnp.dtype(dtype), 48)
+  rng = np.random.default_rng(5)
+  table = _random(rng, (9, 48), dtype)
+  rows = _random(rng, (6, 48), dtype)
+  ids = jnp.asarray([4, -1, 0, -1, 8, -1], jnp.int32)      # padded to 6 rows
+  want = _bits(table).copy()
+  want[[4, 0, 8]] = _bits(rows)[[0, 2, 4]]
+  out = jax.jit(lambda t, r, i: pages.store_pages(t, r, i, impl=name, interpret=interpret),
+                donate_argnums=0)(table, rows, ids)
+  np.testing.assert_array_equal(_bits(out), want)
+
+
+@pytest.mark.parametrize("name", implementations("pages"))
 def test_no_pages_is_no_change(name):
   interpret = run_mode("pages", name, jnp.dtype(jnp.bfloat16), 64)
   table = jnp.arange(3 * 64, dtype=jnp.float32).reshape(3, 64).astype(jnp.bfloat16)

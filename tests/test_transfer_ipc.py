@@ -77,7 +77,8 @@ def test_one_pull_per_offer_and_errors_answered_at_once(rng):
   assert rows.is_deleted()                          # copied into shared memory
   deadline = time.monotonic() + 30
   got, done = decode.fetch(prefill.address(), {11: ((3, 700), DEVICE)}, deadline, 30)
-  np.testing.assert_array_equal(np.asarray(got[11]), want)
+  assert got[11].shape == (IPC.padded_rows(3), 700) == (4, 700)   # the piece's room
+  np.testing.assert_array_equal(np.asarray(got[11])[:3], want)
   done()
   t0 = time.monotonic()
   for tid, shape, match in [(11, (3, 700), "already pulled"), (99, (3, 700), "no offer"),
@@ -93,6 +94,32 @@ def test_one_pull_per_offer_and_errors_answered_at_once(rng):
   prefill.close()
   decode.close()
   assert not mem.buffers and mem.closed == mem.opened
+
+
+def test_padded_rows_are_a_few_sizes():
+  assert [IPC.padded_rows(n) for n in (1, 2, 3, 5, 128, 129, 256, 257, 700)] == \
+      [1, 2, 4, 8, 128, 256, 256, 512, 768]
+
+
+def test_requests_of_lengths_in_one_size_share_one_receive_program(rng):
+  spec = kvjax.KVCacheSpec(2, 32, 16, layout="NHD")
+  server = IPC.IpcServer(memory=HM.HostMemory())
+  prefill = [jax.device_put(TD.poison_caches(spec, 1, 12, s)[0], DEVICE) for s in (1, 2)]
+  decode = [jax.device_put(TD.poison_caches(spec, 1, 12, s)[0], DEVICE) for s in (3, 4)]
+  want = [np.asarray(TD.as_bytes(c)).copy() for c in decode]
+  sizes = []
+  for src, dst in (([5, 1, 9], [0, 4, 8]), ([2, 3, 7, 11, 0], [1, 2, 3, 5, 6]),
+                   ([10, 6, 4, 8, 1, 3, 2], [7, 9, 10, 11, 0, 4, 8])):   # 3, 5, 7 pages
+    with remote.offer_request_layers(server, [prefill], src, spec=spec, ttl_s=30) as offer:
+      (decode,), _ = remote.pull_request_layers(server, server.address(), [decode], spec, dst,
+                                                token=offer.token, remote_tp_size=1,
+                                                total_num_kv_heads=2, timeout_s=30)
+    for layer in range(2):
+      want[layer][dst] = np.asarray(TD.as_bytes(prefill[layer]))[src]
+      np.testing.assert_array_equal(np.asarray(TD.as_bytes(decode[layer])), want[layer])
+    sizes.append(AL._land_list._cache_size())
+  assert sizes[2] == sizes[1]          # 5 and 7 pages: one program (8 rows), 3 pages: another
+  server.close()
 
 
 def test_views_of_memory_read_in_place_are_imported_once_per_piece(rng):

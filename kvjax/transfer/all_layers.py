@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import pages
+from kvjax import pages, quant
 from kvjax.transfer import execute as E
 
 #: A rank's caches of all layers: L one-layer arrays, or one layered array.
@@ -131,12 +131,14 @@ def _land_list(caches, sources, block_ids, spec, reads, permute, remote_spec):
 def _land_layered(cache, sources, block_ids, spec, reads, permute, remote_spec):
   if spec.layer_axis == 1 and _whole_pages(spec, reads, permute, remote_spec):
     (rows,) = sources.values()      # NHD: a block's pages of every layer are one run
-    return pages.store_pages(_as_table(cache), rows, block_ids).reshape(cache.shape)
-  page_shape = list(cache.shape[1:])
-  num_layers = page_shape.pop(spec.layer_axis - 1)
-  landed = _landed_layers(sources, spec, reads, permute, remote_spec, num_layers)
-  x = E.from_bytes(jnp.concatenate(landed, axis=1), (num_layers, *page_shape), cache.dtype)
-  return cache.at[block_ids].set(jnp.moveaxis(x, 1, spec.layer_axis), unique_indices=True)
+  else:                             # assembled, and the layer axis moved into place (a copy)
+    page_shape = list(cache.shape[1:])
+    num_layers = page_shape.pop(spec.layer_axis - 1)
+    landed = _landed_layers(sources, spec, reads, permute, remote_spec, num_layers)
+    x = E.from_bytes(jnp.concatenate(landed, axis=1), (num_layers, *page_shape),
+                     quant.bits_dtype(cache.dtype))
+    rows = jnp.moveaxis(x, 1, spec.layer_axis).reshape(x.shape[0], -1)
+  return pages.store_pages(_as_table(cache), rows, block_ids).reshape(cache.shape)
 
 
 def _committed(layers: RankLayers) -> RankLayers:

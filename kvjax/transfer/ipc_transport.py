@@ -65,13 +65,23 @@ def _recv(sock: socket.socket):
   return None if body is None else json.loads(body)
 
 
-class _Entry:
-  """One offered id: its piece and its state, ``"offered"`` -> ``"reading"`` -> ``"pulled"``
-  (the piece is free once pulled); ``withdrawn`` when released while being read."""
-  __slots__ = ("piece", "slabs", "state", "withdrawn")
+def padded_rows(n: int) -> int:
+  """The rows a piece of an ``n``-row array has room for, and that a pull views: ``n`` rounded
+  up to a power of two up to 256, then to a multiple of 256. The receive then compiles one
+  program per size, not one per request length; the extra rows hold no data (the receive
+  skips them)."""
+  n = int(n)
+  return 1 << max(0, n - 1).bit_length() if n <= 256 else -(-n // 256) * 256
 
-  def __init__(self, piece: Piece, slabs: Slabs):
-    self.piece, self.slabs = piece, slabs
+
+class _Entry:
+  """One offered id: its piece (room for :func:`padded_rows` rows), the array's ``nbytes``,
+  and its state, ``"offered"`` -> ``"reading"`` -> ``"pulled"`` (the piece is free once
+  pulled); ``withdrawn`` when released while being read."""
+  __slots__ = ("piece", "slabs", "nbytes", "state", "withdrawn")
+
+  def __init__(self, piece: Piece, slabs: Slabs, nbytes: int):
+    self.piece, self.slabs, self.nbytes = piece, slabs, int(nbytes)
     self.state, self.withdrawn = "offered", False
 
 
@@ -121,8 +131,9 @@ class IpcServer:
 
   # -- the offering side -----------------------------------------------------------------
   def serve(self, arrays: Dict[int, jax.Array], ttl_s: float) -> Callable[[], None]:
-    """Offer each ready single-device array once under its id (copied into shared memory,
-    the array is deleted); returns the function that withdraws them (idempotent). The
+    """Offer each ready single-device array ``[n, ...]`` once under its id (copied into
+    shared memory with room for :func:`padded_rows` rows; the array is deleted); returns the
+    function that withdraws them (idempotent). The
     offer's owner withdraws them at its TTL (``ttl_s`` is not needed here)."""
     del ttl_s
     ids = list(arrays)
@@ -131,10 +142,10 @@ class IpcServer:
         device = next(iter(a.devices()))
         with self._lock:
           slabs = self._slabs.setdefault(device, Slabs(self.memory, device, self.slab_bytes))
-          piece = slabs.take(a.nbytes)
+          piece = slabs.take(a.nbytes // a.shape[0] * padded_rows(a.shape[0]))
         self.memory.fill(device, piece.ptr, a)
         with self._lock:
-          self._entries[tid] = _Entry(piece, slabs)
+          self._entries[tid] = _Entry(piece, slabs, a.nbytes)
         a.delete()
     except BaseException:
       self._withdraw(ids)
@@ -185,8 +196,8 @@ class IpcServer:
           if e is None or e.state != "offered":
             answer = {"error": "no offer under this id (another token, expired, released or "
                                "already pulled)"}
-          elif e.piece.nbytes != int(msg["nbytes"]):
-            answer = {"error": f"the offer holds {e.piece.nbytes} bytes, the pull expects "
+          elif e.nbytes != int(msg["nbytes"]):
+            answer = {"error": f"the offer holds {e.nbytes} bytes, the pull expects "
                                f"{int(msg['nbytes'])} (page sizes or layer counts disagree)"}
           else:
             e.state = "reading"
@@ -217,7 +228,8 @@ class IpcServer:
     """Pull ids ``wants`` (id -> (uint8 shape, device)) from the server at ``address``.
 
     Returns (id -> uint8 array read in place, ``done``): call ``done()`` once every use of
-    the arrays is complete; the prefill side may reuse their memory after that.
+    the arrays is complete; the prefill side may reuse their memory after that. An array has
+    :func:`padded_rows` rows: the wanted ones first, then rows that hold no data.
     Raises TimeoutError at ``deadline`` (``time.monotonic()`` seconds) and PullError on an
     error answer or a lost connection.
     """
@@ -252,7 +264,7 @@ class IpcServer:
       done()
       raise PullError("; ".join(sorted(set(errors))))
     try:
-      arrays = {tid: self._view(address, wants[tid], *got[tid]) for tid in got}
+      arrays = {tid: self._view(address, _padded(wants[tid]), *got[tid]) for tid in got}
     except BaseException:
       done()
       raise
@@ -341,6 +353,12 @@ class IpcServer:
       s.free_all()
 
 
+def _padded(want):
+  """A want ``(shape, device)`` with its rows padded to the piece's room."""
+  shape, device = want
+  return (padded_rows(shape[0]), *shape[1:]), device
+
+
 def _nbytes(shape) -> int:
   n = 1
   for d in shape:
@@ -348,4 +366,4 @@ def _nbytes(shape) -> int:
   return n
 
 
-__all__ = ["IpcServer"]
+__all__ = ["IpcServer", "padded_rows"]

@@ -215,6 +215,7 @@ def pull_request(server, address: str, decode_caches: Sequence[jax.Array], spec,
   pulled, done = _pull_rows(server, address, token, plans,
                             [E._device_of(c) for c in decode_caches],
                             (dst.size, rspec.page_bytes), deadline, timeout_s)
+  dst = _padded_ids(dst, pulled)
   out = []
   try:
     for r, (reads, permute) in enumerate(plans):
@@ -260,6 +261,7 @@ def pull_request_layers(server, address: str, decode_rank_layers: Sequence[AL.Ra
   pb = rspec.page_bytes
   pulled, done = _pull_rows(server, address, token, plans, devices,
                             (dst.size, num_layers * pb), deadline, timeout_s)
+  dst = _padded_ids(dst, pulled)
   out = []
   try:
     for r, (reads, permute) in enumerate(plans):
@@ -270,6 +272,14 @@ def pull_request_layers(server, address: str, decode_rank_layers: Sequence[AL.Ra
     jax.block_until_ready(out)   # every read of the pulled bytes is complete
     done()
   return out, sorted(pulled)
+
+
+def _padded_ids(dst: np.ndarray, pulled) -> np.ndarray:
+  """``dst`` padded with -1 (rows the page store skips) to the pulled arrays' row count: a
+  transport may hand over more rows than asked (CUDA IPC views a few sizes of rows, so that
+  the receive compiles once per size, not once per request length)."""
+  rows = next(iter(pulled.values())).shape[0]
+  return np.concatenate([dst, np.full(rows - dst.size, -1, np.int32)]) if rows > dst.size else dst
 
 
 def _on(x: jax.Array, device) -> jax.Array:

@@ -4,7 +4,7 @@ Entry point :func:`store_pages` (the "pallas" implementation of ``kvjax.registry
 called by :func:`kvjax.pages.store_pages`). Format-blind: both the cache's page rows and the
 incoming rows are seen as unsigned words (uint32 where the page's bytes allow, a free bitcast
 of any storage dtype), and each program copies one chunk of one page: it loads the page's
-block id, then moves ``chunk`` words from the rows to the block's row. The cache is handed
+block id, then moves ``chunk`` words from the rows to the block's row (a negative id: none). The cache is handed
 to the kernel whole (``BlockSpec(memory_space=pl.ANY)``) and aliased to the output, so under
 a ``jit`` that donates it the store is in place; no other cache word is read or written.
 Blocks have power-of-2 sizes: a page row whose word count has no large power-of-2 divisor
@@ -74,9 +74,13 @@ def _kernel(chunk: int, width: int, column: int, ids_ref, rows_ref, table_in, ta
   cols = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
   # masked lanes are not accessed on a GPU; in interpret mode they point past the row's end
   # and are dropped (clamped, they would store over the last word)
-  mask = cols < width if width % chunk else None
+  mask = block >= 0                          # a negative id skips the row: nothing is read
+  if width % chunk:
+    mask = mask & (cols < width)
+  else:
+    mask = jnp.broadcast_to(mask, cols.shape)
   x = pltriton.load(rows_ref.at[i, cols + column], mask=mask)
-  pltriton.store(table_ref.at[block, cols], x, mask=mask)
+  pltriton.store(table_ref.at[jnp.maximum(block, 0), cols], x, mask=mask)
 
 
 def store_pages(table, rows, block_ids, *, column: int = 0, interpret: bool = False,
@@ -87,7 +91,8 @@ def store_pages(table, rows, block_ids, *, column: int = 0, interpret: bool = Fa
     table: ``[B, W]`` any 1/2/4-byte storage dtype (a cache's pages as rows: a free reshape).
     rows: ``[n, R]`` of the table's dtype, or uint8 (its bytes); at least ``column + W`` of
       the table's elements a row.
-    block_ids: int32 ``[n]``, distinct, in ``[0, B)`` (the caller checks).
+    block_ids: int32 ``[n]``: negative skips the row; the others distinct, in ``[0, B)`` (the
+      caller checks).
     column: the first column of ``rows`` stored (in the table's elements; static).
     interpret: Pallas interpret mode (CPU); config: :class:`PageCopyConfig`.
   In place when the caller's ``jit`` donates ``table``.
