@@ -230,7 +230,8 @@ def large(server, prefill, shape, transport, fmt, layered, requests):
       f"({row['copy_gb_s']:.0f} GB/s); the receive's device work alone "
       f"{row['receive_gb_s']:.0f} GB/s; first round {row['cold_gb_s']:.2f} GB/s; fetch "
       f"{row['fetch_share']:.0%} of a pull; in place {in_place}; offer {row['offer_ms']:.2f} ms; "
-      f"peak {row['peak_gib']:.1f} GiB here, {row['prefill_peak_gib']:.1f} GiB in the prefill process")
+      f"peak {row['peak_gib']:.1f} GiB here, {row['prefill_peak_gib']:.1f} GiB in the prefill "
+      "process")
   return row
 
 

@@ -4,8 +4,8 @@ A cache of B blocks is, for this op, a table ``[B, W]``: row b is block b's page
 of it, for an NHD layered cache), a free reshape of the contiguous array. :func:`store_pages`
 writes n incoming page rows over the rows named by n distinct block ids, bit for bit, and
 touches nothing else; a negative id skips its row, so that callers can pad n to a few sizes
-(one compiled program each). Implementations (``kvjax.registry.PAGES``): "pallas" (a Triton page-copy
-kernel, GPU) and "reference" (an XLA scatter of the rows' bits, every platform).
+(one compiled program each). Implementations (``kvjax.registry.PAGES``): "pallas" (a Triton
+page-copy kernel, GPU) and "reference" (an XLA scatter of the rows' bits, every platform).
 """
 from __future__ import annotations
 

@@ -133,8 +133,8 @@ class IpcServer:
   def serve(self, arrays: Dict[int, jax.Array], ttl_s: float) -> Callable[[], None]:
     """Offer each ready single-device array ``[n, ...]`` once under its id (copied into
     shared memory with room for :func:`padded_rows` rows; the array is deleted); returns the
-    function that withdraws them (idempotent). The
-    offer's owner withdraws them at its TTL (``ttl_s`` is not needed here)."""
+    function that withdraws them (idempotent). The offer's owner withdraws them at its TTL
+    (``ttl_s`` is not needed here)."""
     del ttl_s
     ids = list(arrays)
     try:
@@ -142,7 +142,7 @@ class IpcServer:
         device = next(iter(a.devices()))
         with self._lock:
           slabs = self._slabs.setdefault(device, Slabs(self.memory, device, self.slab_bytes))
-          piece = slabs.take(a.nbytes // a.shape[0] * padded_rows(a.shape[0]))
+          piece = slabs.take(a.nbytes // max(1, a.shape[0]) * padded_rows(a.shape[0]))
         self.memory.fill(device, piece.ptr, a)
         with self._lock:
           self._entries[tid] = _Entry(piece, slabs, a.nbytes)
