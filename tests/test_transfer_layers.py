@@ -165,3 +165,63 @@ def test_all_layers_bad_arguments(rng, server):
     _pull(server, [[]], dspec, "0" * 16, 2, 2, 1.0)
   with pytest.raises(ValueError, match="token must be"):
     _pull(server, _decode_caches(poison, dspec, 2, False), dspec, "abc", 2, 2, 1.0)
+
+
+def _batch_data(seed, layered):
+  """One-rank bf16 NHD caches: prefill pages (random), poisoned decode caches (numpy)."""
+  spec = TD.rank_spec("auto", 32, "NHD", 2, 1)
+  dev = jax.devices()[0]
+  prefill = [jax.device_put(TD.poison_caches(spec, 1, PREFILL_BLOCKS, seed + l)[0], dev)
+             for l in range(LAYERS)]
+  poison = [TD.poison_caches(spec, 1, DECODE_BLOCKS, seed + 50 + l)[0] for l in range(LAYERS)]
+  decode = [jax.device_put(x, dev) for x in poison]
+  if layered:
+    prefill, decode = _layered(prefill, spec), jax.device_put(_layered(decode, spec), dev)
+  return spec, prefill, poison, decode
+
+
+def _batch_pull(server, spec, caches, dsts, tokens, timeout_s=30):
+  return remote.pull_requests_layers(server, server.address(), [caches], spec, dsts,
+                                     tokens=tokens, remote_tp_size=1, total_num_kv_heads=2,
+                                     timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("layered", [False, True], ids=["per-layer", "layered"])
+def test_a_batch_of_requests_arrives_in_one_round(rng, server, layered):
+  spec, prefill, poison, decode = _batch_data(int(rng.integers(2**20)), layered)
+  requests = [([6, 2, 4], [1, 7, 0]), ([3, 5], [2, 8]), ([0, 1, 7, 5], [3, 4, 5, 6])]
+  offers = [remote.offer_request_layers(server, [prefill], src, spec=spec, ttl_s=30)
+            for src, _ in requests]
+  (got,), pulled = _batch_pull(server, spec, decode, [d for _, d in requests],
+                               [o.token for o in offers])
+  assert pulled == [0]
+  for o in offers:
+    o.release()
+  layer = lambda x, l: jnp.take(x, l, axis=spec.layer_axis) if layered else x[l]  # noqa: E731
+  layers = [layer(got, l) for l in range(LAYERS)]
+  src_layers = [layer(prefill, l) for l in range(LAYERS)]
+  for l in range(LAYERS):
+    want = TD.as_bytes(poison[l]).copy()
+    for src, dst in requests:
+      want[dst] = TD.as_bytes(src_layers[l])[src]
+    np.testing.assert_array_equal(TD.as_bytes(layers[l]), want, err_msg=f"layer {l}")
+
+
+def test_a_batch_fails_whole_and_leaves_the_caches(rng, server):
+  spec, prefill, poison, decode = _batch_data(int(rng.integers(2**20)), False)
+  good = remote.offer_request_layers(server, [prefill], [6, 2], spec=spec, ttl_s=30)
+  bad = "0" * 16 if good.token != "0" * 16 else "1" * 16
+  with pytest.raises(_not_offered(server)):
+    _batch_pull(server, spec, decode, [[1, 7], [0]], [good.token, bad], timeout_s=1.0)
+  for l in range(LAYERS):                      # not donated, not written
+    np.testing.assert_array_equal(TD.as_bytes(decode[l]), TD.as_bytes(poison[l]))
+  if _not_offered(server) is remote.PullError:   # CUDA IPC: the good offer is offered again
+    (got,), _ = _batch_pull(server, spec, decode, [[1, 7]], [good.token])
+    np.testing.assert_array_equal(TD.as_bytes(got[0])[[1, 7]], TD.as_bytes(prefill[0])[[6, 2]])
+  good.release()
+  with pytest.raises(ValueError, match="name the same requests"):
+    _batch_pull(server, spec, decode, [[1]], [good.token, bad])
+  with pytest.raises(ValueError, match="tokens must be distinct"):
+    _batch_pull(server, spec, decode, [[1], [2]], [good.token, good.token])
+  with pytest.raises(ValueError, match="must be distinct"):
+    _batch_pull(server, spec, decode, [[1, 2], [2]], [good.token, bad])

@@ -10,7 +10,8 @@ across device memory (the copy an offer makes is the prefill side's, at offer ti
 
 Guarantees (the same as the socket transport's, :mod:`kvjax.transfer.socket_transport`):
 an offered id serves one pull; a pull of an id that is not offered (another token, expired,
-released, already pulled) is answered with an error at once; every wait is bounded by the
+released, already pulled) is answered with an error at once, and the round it came in fails
+whole (its other ids, read but not used, are offered again); every wait is bounded by the
 pull's deadline; nothing is written into the decode caches unless every page arrived.
 Releasing an offer while its pull reads it frees the piece when the reader acknowledges (or
 its connection ends), never earlier. Slabs live as long as the server (:meth:`close`).
@@ -187,8 +188,8 @@ class IpcServer:
         if msg is None:
           return
         tid = int(msg["id"])
-        if msg["op"] == "done":
-          self._finish(tid)
+        if msg["op"] in ("done", "undo"):
+          self._finish(tid, used=msg["op"] == "done")
           reading.discard(tid)
           continue
         with self._lock:
@@ -211,11 +212,16 @@ class IpcServer:
         self._finish(tid)
       conn.close()
 
-  def _finish(self, tid: int) -> None:
-    """A pull of ``tid`` is over: the piece is free (the offer stays pulled until released)."""
+  def _finish(self, tid: int, used: bool = True) -> None:
+    """A pull of ``tid`` is over. Used: the piece is free (the offer stays pulled until
+    released). Not used (the pull failed on another id of its round): offered again, unless
+    it was released meanwhile."""
     with self._lock:
       e = self._entries.get(tid)
       if e is None or e.state != "reading":
+        return
+      if not used and not e.withdrawn:
+        e.state = "offered"
         return
       e.slabs.give(e.piece)
       e.state = "pulled"           # never served again
@@ -260,13 +266,14 @@ class IpcServer:
         self._drop_client(address)
         raise PullError(f"the connection to {address} failed ({e})") from e
     done = lambda: self._acknowledge(address, client, list(got))  # noqa: E731
-    if errors:
-      done()
+    undo = lambda: self._acknowledge(address, client, list(got), op="undo")  # noqa: E731
+    if errors:             # the round fails whole; the ids it did read stay offered
+      undo()
       raise PullError("; ".join(sorted(set(errors))))
     try:
       arrays = {tid: self._view(address, _padded(wants[tid]), *got[tid]) for tid in got}
     except BaseException:
-      done()
+      undo()
       raise
     return arrays, done
 
@@ -293,11 +300,13 @@ class IpcServer:
     if client is not None:
       client.sock.close()   # the server ends this connection's reads
 
-  def _acknowledge(self, address: str, client: _Client, ids) -> None:
+  def _acknowledge(self, address: str, client: _Client, ids, op: str = "done") -> None:
+    """Tell the server the reads of ``ids`` are over: ``"done"`` (used) or ``"undo"`` (not
+    used: offered again)."""
     with client.lock:
       try:
         for tid in ids:
-          _send(client.sock, {"op": "done", "id": int(tid)})
+          _send(client.sock, {"op": op, "id": int(tid)})
       except OSError:
         self._drop_client(address)
 

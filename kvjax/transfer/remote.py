@@ -212,9 +212,8 @@ def pull_request(server, address: str, decode_caches: Sequence[jax.Array], spec,
   E.check_rank_caches("decode", decode_caches, spec)
   dst = _dst_ids(dst_block_ids, decode_caches[0].shape[0])
   plans, rspec = _plans(spec, len(decode_caches), remote_tp_size, total_num_kv_heads, is_mla)
-  pulled, done = _pull_rows(server, address, token, plans,
-                            [E._device_of(c) for c in decode_caches],
-                            (dst.size, rspec.page_bytes), deadline, timeout_s)
+  (pulled,), done = _pull_rows(server, address, [(token, (dst.size, rspec.page_bytes))], plans,
+                               [E._device_of(c) for c in decode_caches], deadline, timeout_s)
   dst = _padded_ids(dst, pulled)
   out = []
   try:
@@ -250,28 +249,70 @@ def pull_request_layers(server, address: str, decode_rank_layers: Sequence[AL.Ra
     TimeoutError, PullError: as :func:`pull_request` (also when the offer holds another
     number of layers: the sizes disagree); ``decode_rank_layers`` are then unchanged.
   """
+  return pull_requests_layers(server, address, decode_rank_layers, spec, [dst_block_ids],
+                              tokens=[token], remote_tp_size=remote_tp_size,
+                              total_num_kv_heads=total_num_kv_heads, is_mla=is_mla,
+                              timeout_s=timeout_s)
+
+
+def pull_requests_layers(server, address: str, decode_rank_layers: Sequence[AL.RankLayers],
+                         spec, dst_block_ids: Sequence, *, tokens: Sequence[str],
+                         remote_tp_size: int, total_num_kv_heads: int, is_mla: bool = False,
+                         timeout_s: float = DEFAULT_TIMEOUT_S):
+  """Pull several requests offered by one prefill server (all layers each) in one round.
+
+  What a decode step that admits several requests does: one connection, every request's
+  pulls in flight together under one deadline, then each request's pages written (one
+  program a request and page-count size). All or nothing: nothing is written until every
+  request's pages have arrived.
+
+  Args:
+    dst_block_ids: per request (in ``tokens`` order), its decode block ids; no block may
+      appear twice, in one request or across requests.
+    tokens: per request, its :func:`offer_request_layers` token (offers of the server at
+      ``address``).
+    decode_rank_layers, spec, remote_tp_size, total_num_kv_heads, is_mla, timeout_s: as
+      :func:`pull_request_layers`.
+  Returns:
+    (per decode rank, its new caches in the form given; the remote ranks pulled).
+  Raises:
+    TimeoutError, PullError: as :func:`pull_request_layers`, for the batch as a whole; the
+    decode caches are then unchanged. Over CUDA IPC the other requests' offers stay offered
+    (pull them again, alone or in another batch); over sockets they may have been served.
+  """
   timeout_s = _check_seconds("timeout_s", timeout_s)
   deadline = time.monotonic() + timeout_s
-  check_token(token)
+  tokens = list(tokens)
+  dst_block_ids = list(dst_block_ids)
+  if not tokens or len(tokens) != len(dst_block_ids):
+    raise ValueError(f"tokens ({len(tokens)}) and dst_block_ids ({len(dst_block_ids)}) must "
+                     "name the same requests, at least one")
+  for token in tokens:
+    check_token(token)
+  if len(set(tokens)) != len(tokens):
+    raise ValueError("tokens must be distinct: an offer serves one pull")
   num_layers, num_blocks = AL.check_rank_layers("decode", decode_rank_layers, spec)
-  dst = _dst_ids(dst_block_ids, num_blocks)
+  dsts = [_dst_ids(ids, num_blocks) for ids in dst_block_ids]
+  _dst_ids(np.concatenate(dsts), num_blocks)           # no block written twice
   plans, rspec = _plans(spec, len(decode_rank_layers), remote_tp_size, total_num_kv_heads,
                         is_mla)
   devices = [AL.device_of(x) for x in decode_rank_layers]
   pb = rspec.page_bytes
-  pulled, done = _pull_rows(server, address, token, plans, devices,
-                            (dst.size, num_layers * pb), deadline, timeout_s)
-  dst = _padded_ids(dst, pulled)
-  out = []
+  pulled, done = _pull_rows(server, address, [(t, (d.size, num_layers * pb))
+                                              for t, d in zip(tokens, dsts)],
+                            plans, devices, deadline, timeout_s)
+  out = list(decode_rank_layers)
   try:
-    for r, (reads, permute) in enumerate(plans):
-      sources = {s: _on(pulled[s], devices[r]) for s in {x.remote_rank for x in reads}}
-      out.append(AL.land_layers(decode_rank_layers[r], sources, dst, spec, reads,
-                                permute=permute, remote_spec=rspec))
+    for request, dst in zip(pulled, dsts):
+      dst = _padded_ids(dst, request)
+      for r, (reads, permute) in enumerate(plans):
+        sources = {s: _on(request[s], devices[r]) for s in {x.remote_rank for x in reads}}
+        out[r] = AL.land_layers(out[r], sources, dst, spec, reads, permute=permute,
+                                remote_spec=rspec)
   finally:
     jax.block_until_ready(out)   # every read of the pulled bytes is complete
     done()
-  return out, sorted(pulled)
+  return out, sorted(pulled[0])
 
 
 def _padded_ids(dst: np.ndarray, pulled) -> np.ndarray:
@@ -305,34 +346,37 @@ def _plans(spec, d: int, remote_tp_size: int, total_num_kv_heads: int, is_mla: b
   return plans, rspec
 
 
-def _pull_rows(server, address: str, token: str, plans, devices, shape, deadline: float,
+def _pull_rows(server, address: str, requests, plans, devices, deadline: float,
                timeout_s: float):
-  """Pull each source rank the plans read, once, as uint8 ``shape`` onto the first decode
-  device that reads it, all in one round bounded by ``deadline``.
+  """Pull, for each request ``(token, uint8 shape)``, each source rank the plans read, once,
+  onto the first decode device that reads it; all in one round bounded by ``deadline``.
 
-  Returns (rank -> its pages, ``done``: call once every read of the pages is complete).
+  Returns (per request, rank -> its pages; ``done``: call once every read of the pages is
+  complete).
   """
   wants: Dict[int, tuple] = {}
   for (reads, _), dev in zip(plans, devices):
     for s in sorted({x.remote_rank for x in reads}):
-      wants.setdefault(s, (tuple(shape), dev))
+      wants.setdefault(s, dev)
   ranks = sorted(wants)
+  ids = {transfer_id(token, s): (tuple(shape), wants[s])
+         for token, shape in requests for s in ranks}
+  what = (f"pull of prefill ranks {ranks}" if len(requests) == 1 else
+          f"pull of {len(requests)} requests (prefill ranks {ranks})")
   try:
-    arrays, done = server.fetch(address, {transfer_id(token, s): w for s, w in wants.items()},
-                                deadline, timeout_s)
+    arrays, done = server.fetch(address, ids, deadline, timeout_s)
   except TimeoutError as e:
     raise TimeoutError(
-        f"pull of prefill ranks {ranks} from {address} did not complete within "
-        f"{timeout_s:g} s (the prefill process is dead or stalled, or the offer is gone: "
-        "expired, released, already pulled, or another token); decode caches are untouched"
-    ) from e
+        f"{what} from {address} did not complete within {timeout_s:g} s (the prefill process "
+        "is dead or stalled, or an offer is gone: expired, released, already pulled, or "
+        "another token); decode caches are untouched") from e
   except PullError as e:
-    raise PullError(f"pull of prefill ranks {ranks} from {address} failed ({e}); decode caches "
-                    "are untouched") from e
-  return {s: arrays[transfer_id(token, s)] for s in ranks}, done
+    raise PullError(f"{what} from {address} failed ({e}); decode caches are untouched") from e
+  return [{s: arrays[transfer_id(token, s)] for s in ranks} for token, _ in requests], done
 
 
 __all__ = ["start_server", "is_loopback", "TRANSPORTS", "needed_remote_ranks", "Offer", "LiveOffers",
            "offer_request", "pull_request", "offer_request_layers", "pull_request_layers",
+           "pull_requests_layers",
            "live_offers", "PullError", "DEFAULT_TTL_S",
            "DEFAULT_TIMEOUT_S"]
