@@ -22,9 +22,10 @@ An implementation declares where it runs compiled (``platforms``: "cpu", "gpu", 
 through its ``supports`` function, which calls it handles: ``supports(*args) -> None`` (yes)
 or a string saying why not. The arguments of ``supports`` per op: WRITE and READ ``(spec,)``,
 ATTENTION ``(spec, q_dtype)``, PAGES ``(storage dtype, page width in elements)``. An
-implementation that is faster than the ones after it only for some calls also gives a ``prefer`` rule, ``prefer(*args, call) -> None | reason``, with
-``call`` the static facts of the call (:class:`AttentionCall` for ATTENTION, None when
-unknown): ``auto`` passes it over where the rule says no, a named ``impl`` runs regardless.
+implementation that is faster than the ones after it only for some calls also gives a
+``prefer`` rule, ``prefer(*args, call) -> None | reason``, with ``call`` the static facts of
+the call (:class:`AttentionCall` for ATTENTION, None when unknown): ``auto`` passes it over
+where the rule says no, a named ``impl`` runs regardless.
 
 ``impl="auto"`` takes the first registered implementation that runs compiled on the call's
 platform, supports the call and (if it has a rule) is preferred for it (never an
