@@ -59,7 +59,8 @@ def test_named_rows_get_the_bits_and_nothing_else_changes(name, dtype, width, co
 
 
 @pytest.mark.parametrize("name", implementations("pages"))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn],
+                         ids=lambda d: jnp.dtype(d).name)
 def test_negative_ids_skip_their_rows(name, dtype):
   interpret = run_mode("pages", name, jnp.dtype(dtype), 48)
   rng = np.random.default_rng(5)

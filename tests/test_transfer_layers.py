@@ -5,8 +5,9 @@ protocol over host memory standing in for device memory): per-layer caches of ev
 dtype and layered (cross-layer) caches, in either form on either side, arrive byte-exact at
 the decode side's own block ids; a wrong token times out within its timeout with the caches
 unchanged; a used token, an expired offer and an offer of another layer count are refused.
-Several requests pulled in one round (``pull_requests_layers``) arrive exact; a round with a bad token fails whole with
-the caches unchanged (over CUDA IPC the good offer can then be pulled).
+Several requests pulled in one round (``pull_requests_layers``) arrive exact; a round with a
+bad token fails whole with the caches unchanged (over CUDA IPC the good offer can then be
+pulled).
 """
 import os
 import sys

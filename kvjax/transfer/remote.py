@@ -375,8 +375,7 @@ def _pull_rows(server, address: str, requests, plans, devices, deadline: float,
   return [{s: arrays[transfer_id(token, s)] for s in ranks} for token, _ in requests], done
 
 
-__all__ = ["start_server", "is_loopback", "TRANSPORTS", "needed_remote_ranks", "Offer", "LiveOffers",
-           "offer_request", "pull_request", "offer_request_layers", "pull_request_layers",
-           "pull_requests_layers",
-           "live_offers", "PullError", "DEFAULT_TTL_S",
-           "DEFAULT_TIMEOUT_S"]
+__all__ = ["start_server", "is_loopback", "TRANSPORTS", "needed_remote_ranks", "Offer",
+           "LiveOffers", "offer_request", "pull_request", "offer_request_layers",
+           "pull_request_layers", "pull_requests_layers", "live_offers", "PullError",
+           "DEFAULT_TTL_S", "DEFAULT_TIMEOUT_S"]

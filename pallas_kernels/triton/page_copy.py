@@ -4,9 +4,10 @@ Entry point :func:`store_pages` (the "pallas" implementation of ``kvjax.registry
 called by :func:`kvjax.pages.store_pages`). Format-blind: both the cache's page rows and the
 incoming rows are seen as unsigned words (uint32 where the page's bytes allow, a free bitcast
 of any storage dtype), and each program copies one chunk of one page: it loads the page's
-block id, then moves ``chunk`` words from the rows to the block's row (a negative id: none). The cache is handed
-to the kernel whole (``BlockSpec(memory_space=pl.ANY)``) and aliased to the output, so under
-a ``jit`` that donates it the store is in place; no other cache word is read or written.
+block id, then moves ``chunk`` words from the rows to the block's row (a negative id: none).
+The cache is handed to the kernel whole (``BlockSpec(memory_space=pl.ANY)``) and aliased to
+the output, so under a ``jit`` that donates it the store is in place; no other cache word is
+read or written.
 Blocks have power-of-2 sizes: a page row whose word count has no large power-of-2 divisor
 gets a masked last chunk.
 """
