@@ -101,8 +101,7 @@ def prefill_main(transport: str, smoke: bool):
         offers.append(offer)
         tokens.append(offer.token)
       reply = {"address": server.address(), "tokens": tokens,
-               "offer_ms": statistics.median(offer_ms), "request_bytes": offers[-1].nbytes,
-               "prefill_peak_gib": common.peak_device_gib()}
+               "offer_ms": statistics.median(offer_ms), "request_bytes": offers[-1].nbytes}
     else:   # "release"
       for o in offers:
         o.release()
@@ -249,7 +248,7 @@ def large(server, prefill, shape, transport, fmt, layered, requests):
              batched_gb_s=None if batched is None else total / batched / 1e9,
              offer_ms=got["offer_ms"], copy_gb_s=copy_gb_s(nbytes),
              receive_gb_s=receive_gb_s(spec, nbytes),
-             peak_gib=common.peak_device_gib(), prefill_peak_gib=got["prefill_peak_gib"])
+             peak_gib=common.peak_device_gib())
   row["of_copy"] = row["gb_s"] / row["copy_gb_s"]
   log(f"{transport:8s} {fmt:4s} {row['form']:9s} {requests:3d} x {nbytes / 2**20:6.1f} MiB: "
       f"{row['gb_s']:7.2f} GB/s = {row['of_copy']:6.1%} of the device copy "
@@ -259,8 +258,7 @@ def large(server, prefill, shape, transport, fmt, layered, requests):
       f"the receive's device work alone "
       f"{row['receive_gb_s']:.0f} GB/s; first round {row['cold_gb_s']:.2f} GB/s; fetch "
       f"{row['fetch_share']:.0%} of a pull; in place {in_place}; offer {row['offer_ms']:.2f} ms; "
-      f"peak {row['peak_gib']:.1f} GiB here, {row['prefill_peak_gib']:.1f} GiB in the prefill "
-      "process")
+      f"peak {row['peak_gib']:.1f} GiB")
   return row
 
 
