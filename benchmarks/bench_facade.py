@@ -9,12 +9,17 @@ Per layer, medians over repeats:
 
 - ``vllm``: vLLM's ``unified_attention`` Triton kernel launched from torch on the same cache
   bytes (only where ``vllm_peer.py`` finds vLLM's kernels: a CUDA machine);
-- ``facade``: ``PagedAttentionBackend.forward`` with torch tensors (output donated);
-- ``direct``: the same jitted kvjax op called from JAX with JAX arrays;
+- ``facade``: ``PagedAttentionBackend.forward`` with torch tensors, as a user gets it: on a
+  Hopper GPU the Mosaic GPU decode kernel launched on torch's stream (the path it took is
+  printed), elsewhere through JAX;
+- ``captured`` / ``vllm captured``: the facade's step and vLLM's kernels captured in one CUDA
+  graph each (``torch.cuda.graph``), per layer of a replay (CUDA, launch path only);
+- ``facade via JAX``: the facade with ``direct_launch=False`` (output donated);
+- ``direct``: the jitted kvjax op of the JAX path called from JAX with JAX arrays;
 - ``floor``: the same loop doing only the crossing work a torch caller cannot avoid, with no
   facade logic (:meth:`Step.floor_fn`: per layer one CUDA event, one fresh DLPack import of
   the query, the facade's jitted function, the stream-ordered export of the result);
-  facade − floor is the facade's own logic;
+  via JAX − floor is the facade's own logic on that path;
 - ``facade host`` / ``floor host`` / ``direct host``: host time to issue one call (the loop
   without its final sync).
 
@@ -75,6 +80,8 @@ class Step:
   def __init__(self, dev, seqs, ctx, layers, hq, h, d, rng, layered=False):
     self.dev, self.layers = dev, layers
     self.backend = tb.PagedAttentionBackend(hq, h, d, N, "auto", "NHD", dtype=torch.bfloat16)
+    self.jax_backend = tb.PagedAttentionBackend(hq, h, d, N, "auto", "NHD",
+                                                dtype=torch.bfloat16, direct_launch=False)
     blocks = -(-ctx // N)
     num_blocks = seqs * blocks + 1
     self.caches = []
@@ -95,17 +102,37 @@ class Step:
     self.outs = [torch.empty_like(q) for q in self.qs]
     self.kv_gb = layers * seqs * ctx * h * 2 * d * 2 / 1e9
 
-  def facade(self):
-    fwd, md = self.backend.forward, self.md
+  def facade(self, backend=None):
+    fwd, md = (backend or self.backend).forward, self.md
     for q, c, o, i in zip(self.qs, self.caches, self.outs, self.layer_ids):
       fwd(q, c, md, o, layer=i)
     return None
 
+  def facade_jax(self):
+    return self.facade(self.jax_backend)
+
+  def captured_fn(self, run):
+    """``run`` (a step issuing only torch-stream work) captured in a CUDA graph: its replay.
+    None on the CPU, or when the step's path is not the torch launch (JAX's calls do not
+    capture)."""
+    if self.dev.type != "cuda":
+      return None
+    run()
+    if run == self.facade and self.backend.last_path.startswith("jax"):
+      return None
+    torch.cuda.synchronize(self.dev)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: JAX's runtime threads (this process also runs JAX on the GPU) may touch
+    # CUDA while the capture runs; the default mode ("global") would fail the capture then
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+      run()
+    return graph.replay
+
   def direct_fn(self):
     """The facade's own jitted function (the one its calls use), called with JAX arrays that
     were imported once, output donated the same way: the facade's cost is the difference."""
-    be, md = self.backend, self.md
-    self.facade()                          # compiles, and fills the facade's function cache
+    be, md = self.jax_backend, self.md
+    self.facade_jax()                      # compiles, and fills the facade's function cache
     (fn,) = be._attn.values()
     t = self.qs[0].shape[0]
     cx = be._crossing(self.dev)
@@ -130,8 +157,8 @@ class Step:
   def _floor_parts(self):
     """What the floor loop uses, all prepared by the facade itself: the crossing, its jitted
     function, the step's kept metadata arrays, the kept cache arrays, the layer scalars."""
-    be, md = self.backend, self.md
-    self.facade()                          # compiles, and fills the facade's caches
+    be, md = self.jax_backend, self.md
+    self.facade_jax()                      # compiles, and fills the facade's caches
     (fn,) = be._attn.values()
     cx = be._crossing(self.dev)
     meta = md.jax_arrays(cx, self.qs[0].shape[0])
@@ -245,6 +272,13 @@ def bench_regime(name, seqs, ctx, cfg, dev, rng):
                                                          cfg["reps"])
   row["facade_us"], row["facade_host_us"] = per_layer_us(step.facade, torch_wait, step.layers,
                                                          cfg["reps"])
+  row["path"] = step.backend.last_path
+  facade_out = step.outs[-1].float().cpu()
+  row["facade_jax_us"], row["facade_jax_host_us"] = per_layer_us(
+      step.facade_jax, torch_wait, step.layers, cfg["reps"])
+  captured = step.captured_fn(step.facade)
+  row["captured_us"] = None if captured is None else per_layer_us(
+      captured, torch_wait, step.layers, cfg["reps"])[0]
   floor = step.floor_fn()
   row["floor_us"], row["floor_host_us"] = per_layer_us(floor, jax_wait, step.layers,
                                                        cfg["reps"])
@@ -252,34 +286,43 @@ def bench_regime(name, seqs, ctx, cfg, dev, rng):
   cx = step.backend._crossing(dev)       # True, True: jaxlib's raw DLPack import and export ran
   row["raw_import"], row["raw_export"] = cx._fast_checked, cx._export_checked
   vllm = None if cfg.get("layered") else step.vllm_fn()
-  row["vllm_us"] = None
+  row["vllm_us"] = row["vllm_captured_us"] = None
   if vllm is not None:
-    row["vllm_us"], _ = per_layer_us(vllm, torch_wait, step.layers, cfg["reps"])
-  row["added_us"] = row["facade_us"] - row["direct_us"]
+    row["vllm_us"], row["vllm_host_us"] = per_layer_us(vllm, torch_wait, step.layers,
+                                                       cfg["reps"])
+    replay = step.captured_fn(vllm)
+    row["vllm_captured_us"] = per_layer_us(replay, torch_wait, step.layers, cfg["reps"])[0]
+  row["added_us"] = row["facade_jax_us"] - row["direct_us"]
   row["floor_added_us"] = row["floor_us"] - row["direct_us"]
-  row["over_floor_us"] = row["facade_us"] - row["floor_us"]
-  # the facade's and the floor loop's results equal the direct call's (same jitted function,
-  # same bytes)
+  row["over_floor_us"] = row["facade_jax_us"] - row["floor_us"]
+  # the facade's result is the direct call's within bf16 rounding (the launch path runs
+  # another kernel where it is taken); the floor loop's equals it (same jitted function)
+  step.facade_jax()
   out = step.outs[-1].float().cpu()
   ref = torch.from_dlpack(direct()).float().cpu()
-  row["max_abs_diff"] = float((out - ref).abs().max())
+  row["max_abs_diff"] = float((facade_out - ref).abs().max())
+  row["jax_max_abs_diff"] = float((out - ref).abs().max())
   row["floor_max_abs_diff"] = float((torch.from_dlpack(floor()).float().cpu() - ref).abs().max())
   _sync(dev)
   step.backend.clear_cached_views()      # release every imported view before the next regime
+  step.jax_backend.clear_cached_views()
   return row
 
 
 def table(rows):
   f = lambda v: "-" if v is None else f"{v:.1f}"
-  lines = ["| per layer (µs) | vLLM Triton from torch | kvjax facade | kvjax direct JAX | "
-           "facade − direct | floor | floor − direct | facade − floor | facade host | "
-           "floor host | direct host |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| per layer (µs) | vLLM Triton from torch | kvjax facade | facade host | "
+           "vLLM captured | kvjax captured | facade via JAX | direct JAX | "
+           "via JAX − direct | floor − direct |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['regime']}: {r['seqs']} seqs x {r['ctx']}, {r['layers']} layers | "
-                 f"{f(r['vllm_us'])} | {f(r['facade_us'])} | {f(r['direct_us'])} | "
-                 f"{f(r['added_us'])} | {f(r['floor_us'])} | {f(r['floor_added_us'])} | "
-                 f"{f(r['over_floor_us'])} | {f(r['facade_host_us'])} | "
-                 f"{f(r['floor_host_us'])} | {f(r['direct_host_us'])} |")
+                 f"{f(r['vllm_us'])} | {f(r['facade_us'])} | {f(r['facade_host_us'])} | "
+                 f"{f(r['vllm_captured_us'])} | {f(r['captured_us'])} | "
+                 f"{f(r['facade_jax_us'])} | {f(r['direct_us'])} | {f(r['added_us'])} | "
+                 f"{f(r['floor_added_us'])} |")
+  lines += ["", "| regime | the facade's path | max abs diff vs direct JAX |", "|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['regime']} | {r['path']} | {r['max_abs_diff']:.3g} |")
   lines += ["", "| floor pieces, host µs per call (medians) | event (record + wait) | "
             "fresh import of q | jitted call | export of the result | event + import + export |",
             "|---|---|---|---|---|---|"]

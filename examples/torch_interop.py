@@ -52,6 +52,13 @@ def parse_args(argv=None):
   p.add_argument("--block-size", type=int, default=16)
   p.add_argument("--num-blocks", type=int, default=32)
   p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                 help="smollm2: the model's dtype (not float32: HF eager runs on the same "
+                      "device and dtype as the reference)")
+  p.add_argument("--cuda-graphs", action="store_true",
+                 help="smollm2: also generate with every decode step replayed from a CUDA "
+                      "graph (a Hopper GPU and a 16-bit model: the kernels launch on torch's "
+                      "stream)")
   p.add_argument("--seed", type=int, default=0)
   return p.parse_args(argv)
 
@@ -165,9 +172,15 @@ def serve_smollm2(args, torch) -> int:
   eos = model.config.eos_token_id
   print(f"[1/3] loaded HF LlamaForCausalLM from {checkpoint.GGUF_NAME} (float32) in "
         f"{time.perf_counter() - t0:.1f} s", flush=True)
+  if args.cuda_graphs and args.dtype == "float32":
+    print("--cuda-graphs needs a 16-bit model (--dtype bfloat16 or float16)")
+    return 1
+  if args.dtype != "float32":                 # the reference runs where the model runs
+    model = model.to(device, getattr(torch, args.dtype))
   t0 = time.perf_counter()
   reference = hf_reference.greedy(model, prompt_ids, args.max_new, eos)
-  print(f"[2/3] HF eager greedy: {time.perf_counter() - t0:.1f} s", flush=True)
+  where = "cpu, float32" if args.dtype == "float32" else f"{device}, {args.dtype}"
+  print(f"[2/3] HF eager greedy ({where}): {time.perf_counter() - t0:.1f} s", flush=True)
   layout = "HND" if args.cache_dtype == "nvfp4" else args.layout
   max_len = max(map(len, prompt_ids)) + args.max_new
   paged = torch_paged.PagedLlama(model.to(device), args.cache_dtype, layout,
@@ -182,6 +195,13 @@ def serve_smollm2(args, torch) -> int:
   for i, (text, ids) in enumerate(zip(prompts.PROMPTS, generated)):
     print(f"[{i}] {text!r} -> {tokenizer.decode(ids)!r}")
   agreement = prompts.compare(generated, reference)
+  paths = sorted({f"{b.last_write_path} | {b.last_path}" for b in paged.impl._backends.values()})
+  graphed = None
+  if args.cuda_graphs:
+    t0 = time.perf_counter()
+    graphed = paged.generate(prompt_ids, args.max_new, eos, cuda_graphs=True)
+    print(f"      again, decode steps replayed from CUDA graphs: "
+          f"{time.perf_counter() - t0:.1f} s (captures included)", flush=True)
   strict = not paged.spec.format.is_quantized
   cache = paged.caches[0]
   pages_back = paged.tables.allocator.num_free == paged.tables.allocator.num_blocks
@@ -190,14 +210,19 @@ def serve_smollm2(args, torch) -> int:
       ("cache", f"{args.cache_dtype}, layout {layout}, {len(paged.caches)} layers x "
                 f"{tuple(cache.shape)} {cache.dtype}"),
       ("all pages freed", "yes" if pages_back else "NO"),
+      ("paths (write | attention)", "; ".join(paths)),
       ("equal to HF eager", f"{agreement} (" + ("plain cache: must be identical)" if strict
                                                  else "quantized cache: reported)")),
   ]
+  same = None if graphed is None else prompts.compare(graphed, generated)
+  if graphed is not None:
+    rows += [("graph-captured decode", f"{prompts.compare(graphed, reference)} equal to HF "
+              f"eager, {same} equal to the eager run")]
   width = max(len(k) for k, _ in rows)
   print("torch interop report (smollm2-135m)")
   for k, v in rows:
     print(f"  {k:<{width}} : {v}")
-  ok = pages_back and (agreement.identical or not strict)
+  ok = pages_back and (agreement.identical or not strict) and (same is None or same.identical)
   print("OK" if ok else "MISMATCH")
   return 0 if ok else 1
 

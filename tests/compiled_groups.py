@@ -32,10 +32,12 @@ GROUPS = {
                "tests/test_fast_paths.py"],
     "attention": ["tests/test_op_attention.py", "tests/test_op_read.py"],
     "mosaic": ["tests/test_mosaic_gpu.py", "tests/test_mosaic_gpu_decode.py",
-               "tests/test_mosaic_gpu_variants.py", "tests/test_registry.py"],
+               "tests/test_mosaic_gpu_write.py", "tests/test_mosaic_gpu_variants.py",
+               "tests/test_registry.py"],
     "torch": ["tests/test_torch_backend.py", "tests/test_torch_bridge.py",
               "tests/test_torch_layered.py", "tests/test_vllm_adapter.py",
-              "tests/test_facade_buckets.py"],
+              "tests/test_facade_buckets.py", "tests/test_torch_launch.py",
+              "tests/test_vllm_ops.py"],
     "transfer": ["tests/test_transfer_ipc.py", "tests/test_pages.py"],
 }
 _OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")

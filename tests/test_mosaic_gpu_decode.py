@@ -128,6 +128,8 @@ LOWER_CASES = [
     ("fp8", "HND", 2, 7, 64, 32, dict(sliding_window=64, soft_cap=30.0, sinks=True)),
     pytest.param("float16", "HND", 3, 16, 256, 128, dict(num_splits=3), marks=pytest.mark.slow),
     pytest.param("fp8_e5m2", "NHD", 1, 1, 192, 48, {}, marks=pytest.mark.slow),
+    ("bfloat16", "HND", 2, 5, 128, 16, dict(finish=True, sinks=True, soft_cap=20.0)),
+    pytest.param("fp8", "NHD", 4, 2, 256, 32, dict(finish=True), marks=pytest.mark.slow),
 ]
 
 
@@ -156,8 +158,18 @@ def test_lowers_to_mosaic_gpu_for_cuda(cache_dtype, layout, h, group, head_size,
 NUMERICS_CASES = [
     # cache_dtype, layout, H, G, D, N, seq_lens, kwargs
     ("bfloat16", "NHD", 2, 4, 64, 16, [1, 70, 0, 130], dict(num_splits=2)),
-    ("fp8", "HND", 2, 7, 64, 32, [200, 5], dict(sliding_window=40, soft_cap=5.0, sinks=True)),
+    ("fp8", "HND", 2, 7, 64, 32, [200, 5], dict(sliding_window=40, soft_cap=5.0, sinks=True,
+                                                 num_splits=3)),
     ("bfloat16", "HND", 1, 16, 64, 48, [65, 129], {}),
+    # finish mode: one split, the kernel writes the output rows (sinks in the kernel)
+    ("bfloat16", "NHD", 3, 5, 128, 16, [1, 70, 0, 130], dict(num_splits=1, finish=True)),
+    ("fp8", "HND", 2, 7, 64, 32, [200, 5, 0], dict(sliding_window=40, soft_cap=5.0,
+                                                    sinks=True, finish=True)),
+    ("float16", "NHD", 2, 1, 64, 64, [300, 2], dict(sinks=True, finish=True)),
+    # query rows by query_start_loc: sequence 1 has no query row, row 3 no sequence
+    ("bfloat16", "NHD", 2, 4, 64, 16, [70, 5, 130], dict(query_counts=[1, 0, 1], rows=4)),
+    ("bfloat16", "HND", 2, 4, 64, 16, [70, 5, 130], dict(query_counts=[0, 1, 1], rows=3,
+                                                         finish=True, num_splits=1)),
 ]
 
 
@@ -166,7 +178,8 @@ NUMERICS_CASES = [
                          NUMERICS_CASES)
 def test_kernel_matches_reference(rng, cache_dtype, layout, h, group, head_size, block_size,
                                   lens, kw):
-  spec = kvjax.KVCacheSpec(h, head_size, block_size, cache_dtype, layout=layout, dtype=BF16)
+  dtype = jnp.float16 if cache_dtype == "float16" else BF16
+  spec = kvjax.KVCacheSpec(h, head_size, block_size, cache_dtype, layout=layout, dtype=dtype)
   n = block_size
   pages = [max(1, -(-ln // n)) for ln in lens]
   width = max(pages) + 1
@@ -181,21 +194,27 @@ def test_kernel_matches_reference(rng, cache_dtype, layout, h, group, head_size,
       spec.storage_dtype)
   slots = np.concatenate([bt[s, np.arange(ln) // n] * n + np.arange(ln) % n
                           for s, ln in enumerate(lens)]).astype(np.int32)
-  k, v = (jnp.asarray(rng.standard_normal((len(slots), h, head_size)), BF16) for _ in range(2))
+  k, v = (jnp.asarray(rng.standard_normal((len(slots), h, head_size)), dtype) for _ in range(2))
   scales = 0.5 if spec.codec.has_tensor_scales else None
   cache = write_kv(cache, k, v, jnp.asarray(slots), spec, k_scale=scales, v_scale=scales)
-  q = jnp.asarray(rng.standard_normal((len(lens), h * group, head_size)), BF16)
+  counts = kw.pop("query_counts", [1] * len(lens))
+  qsl = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+  q = jnp.asarray(rng.standard_normal((kw.pop("rows", len(lens)), h * group, head_size)),
+                  dtype)
   kw = dict(kw, scale=head_size ** -0.5, k_scale=scales, v_scale=scales)
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray(rng.standard_normal(h * group), jnp.float32)
   meta = dict(seq_lens=jnp.asarray(lens, jnp.int32), block_table=jnp.asarray(bt))
-  out = np.asarray(paged_decode_attention(q, cache, spec, interpret=not COMPILED, **meta,
-                                          **kw),
+  out = np.asarray(paged_decode_attention(q, cache, spec, interpret=not COMPILED,
+                                          query_start_loc=qsl, **meta, **kw),
                    np.float32)
   kw.pop("num_splits", None)
+  kw.pop("finish", None)
   want = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, **kw))(
-      q, cache, query_start_loc=jnp.arange(len(lens) + 1, dtype=jnp.int32), **meta),
-      np.float32)
+      q, cache, query_start_loc=qsl, **meta), np.float32)
   assert np.isfinite(out).all()
-  assert not out[np.asarray(lens) == 0].any(), "a sequence with no keys outputs 0"
+  seq_of_row = np.searchsorted(np.asarray(qsl), np.arange(q.shape[0]), side="right") - 1
+  no_keys = (seq_of_row >= len(lens)) | (np.asarray(lens + [0])[seq_of_row] == 0)
+  assert no_keys.any() == (0 in lens or q.shape[0] > qsl[-1])
+  assert not out[no_keys].any(), "a row with no keys outputs 0"
   np.testing.assert_allclose(out, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)

@@ -1,44 +1,28 @@
-"""A vLLM-style attention backend over torch tensors, running kvjax's JAX ops.
+"""A vLLM-style attention backend over torch tensors, running kvjax's ops on the same memory.
 
 ``PagedAttentionBackend`` speaks vLLM's vocabulary (``get_kv_cache_shape``,
-``get_kv_cache_stride_order``, ``do_kv_cache_update``, ``forward`` into a
-preallocated ``output``) and runs ``kvjax.write_kv`` / ``kvjax.unified_attention``
-(impl "auto": Pallas on GPU, the reference on CPU) on the *same* memory.
+``get_kv_cache_stride_order``, ``do_kv_cache_update``, ``forward`` into a preallocated
+``output``). Two paths (docs/pytorch.md):
 
-CUDA: the imported cache is donated to the jitted write, so the write lands in
-torch's buffer in place (the pointer is checked on first use; if XLA ever did
-not alias, the result is copied back and a warning raised). Stream ordering: see
-:mod:`torch_bridge.interop` (one event per call torch -> JAX, a stream wait
-JAX -> torch; the host never blocks).
-CPU: JAX cannot donate an imported buffer (it would copy), so the new cache is
-computed out of place (XLA copies the cache) and the pages the slots name are copied
-back into the torch tensor: fine for tests, not for serving; calls return after JAX has
-finished.
+* Kernels launched on torch's stream (:mod:`torch_bridge.launches`): on a Hopper GPU, decode
+  attention and writes of the formats the Mosaic GPU kernels read; no JAX dispatch.
+* JAX (every other call): ``kvjax.write_kv`` / ``kvjax.unified_attention`` under cached
+  ``jax.jit`` functions (:mod:`torch_bridge.jitted`: one program per padded shape bucket).
+  CUDA: the imported cache is donated, so the write lands in torch's buffer in place (checked
+  on first use; if XLA did not alias, the result is copied back with a warning); one event
+  orders JAX after torch's stream and torch's stream waits on JAX's result
+  (:mod:`torch_bridge.interop`; the host never blocks). CPU: JAX cannot donate an imported
+  buffer, so the new cache is computed out of place and the written pages are copied back.
+  Long-lived tensors (cache, metadata, int32 slots, the donated output) are checked and
+  imported once, kept by identity (:mod:`torch_bridge.kept`).
 
-Layered (cross-layer) caches: ``allocate_kv_cache(num_blocks, num_layers=L)`` gives one
-tensor for all layers; pass it whole to ``do_kv_cache_update`` / ``forward`` with
-``layer=l`` (a Python int). The layer travels into the jitted function as an int32
-argument, so every layer runs the same compiled program, in place (:mod:`kvjax.layers`).
-A layer's slice (``kv[l]`` of the logical view) is not compact and is refused, as is one
-block of a layered cache (``kv[:, b]``), which looks like a cache of L blocks.
+Layered (cross-layer) caches (``allocate_kv_cache(num_blocks, num_layers=L)``) are passed
+whole with ``layer=l``: the layer is a traced int32, so every layer shares one program. A
+layer's slice ``kv[l]`` or one block ``kv[:, b]`` is refused.
 
-Host cost per call: long-lived tensors (the cache, a step's metadata, an int32 slot
-mapping, on CUDA the donated output) are checked and imported once and kept by identity
-(:mod:`torch_bridge.kept`); a kept view aliases torch's memory, so torch's in-place writes
-into it are seen. What a CUDA call still does is the crossing itself: one event from
-torch's current stream to JAX's, fresh imports of the query (or key and value), one export
-of the result to torch's stream (``benchmarks/bench_facade.py`` measures it).
-
-Compiled programs: one per (token count, sequence bucket, block-table width bucket,
-query-length bucket) for ``forward`` and one per key row count for
-``do_kv_cache_update`` (see :mod:`torch_bridge.jitted`): the metadata is padded with
-zero-length sequences and unread block-table columns, the write's slots with -1.
-
-Matmul precision: with a float32 model the JAX computation follows
-``torch.get_float32_matmul_precision()`` at each call ("highest", torch's default:
-true float32; "high": tensorfloat32; "medium": bfloat16), as torch's own float32
-matmuls would; bfloat16 / float16 models keep JAX's setting. kvjax's JAX API itself
-follows JAX's setting (``jax.default_matmul_precision`` / ``JAX_DEFAULT_MATMUL_PRECISION``).
+Matmul precision: a float32 model follows ``torch.get_float32_matmul_precision()`` at each
+call ("highest": float32, "high": tensorfloat32, "medium": bfloat16); 16-bit models keep
+JAX's setting.
 """
 from __future__ import annotations
 
@@ -60,7 +44,8 @@ from torch_bridge import interop
 from torch_bridge import jitted
 from torch_bridge import layout as L
 from torch_bridge.kept import (KEEP_CACHES, KEEP_OUTPUT_BYTES, KEEP_OUTPUTS, KeptCache,
-                               check_layer, host_bytes)
+                               check_layer, copy_pages_back)
+from torch_bridge.launches import DECODE_PATH, WRITE_PATH, TorchLaunches
 from torch_bridge.metadata import PagedAttentionMetadata
 
 
@@ -97,6 +82,12 @@ class PagedAttentionBackend:
       non-contiguous ``output`` falls back to copying) or "copy" (a device copy of JAX's
       result, ordered on torch's stream). Donation is the cheaper of the two
       (benchmarks/RESULTS.md, "Torch facade"). CPU always copies.
+    direct_launch: on a Hopper GPU, launch kvjax's Mosaic GPU kernels on torch's current
+      stream for decode steps (``max_query_len <= 1``) and writes of the formats they read
+      (:mod:`torch_bridge.launches`: no JAX dispatch, capturable in CUDA graphs); False:
+      every call goes through JAX. :attr:`last_path` / :attr:`last_write_path` say which
+      path the last call took, :meth:`direct_reason` / :meth:`direct_write_reason` why a
+      call would not take the launch.
   """
 
   kv_cache_layout = "NHD"   # what get_kv_cache_stride_order uses when called on the class
@@ -106,7 +97,7 @@ class PagedAttentionBackend:
                scale: Optional[float] = None, sliding_window: Optional[int] = None,
                soft_cap: Optional[float] = None, sinks=None, *, impl: str = "auto",
                interpret=None, crossing_mode: str = "fast", output_mode: str = "donate",
-               check_cuda_inputs: bool = False):
+               check_cuda_inputs: bool = False, direct_launch: bool = True):
     self.spec = KVCacheSpec(num_kv_heads, head_size, block_size, cache_dtype, layout,
                             dtypes.numpy_dtype(dtype))
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0 \
@@ -147,6 +138,12 @@ class PagedAttentionBackend:
     self._consts = {}        # (device, value) -> JAX scalar / sinks array
     self._attn = {}          # (max_query_len bucket, causal, donate, cuda, precision) -> fn
     self._write = {}         # (cuda, precision) -> jitted fn
+    self._launches = TorchLaunches(self.spec, num_heads, self.dtype, self.scale,
+                                   sliding_window, self.soft_cap, self.sinks,
+                                   bool(direct_launch), impl)
+    #: The path of the last ``forward`` / ``do_kv_cache_update``: "mosaic_gpu decode (write)
+    #: launched from torch" or "jax: <why not the launch>".
+    self.last_path = self.last_write_path = None
 
   # -- vLLM's static layout API --------------------------------------------------------------
   @staticmethod
@@ -316,24 +313,6 @@ class PagedAttentionBackend:
                        "tokens")
     return checks.slots_int32(slot_mapping, num_slots, self.check_cuda_inputs, num_rows)
 
-  def _copy_back(self, cx, phys, new, stream):
-    """A CUDA write XLA did not alias: copy JAX's whole new cache into torch's buffer
-    (``stream``: torch's current stream, from the call's fence)."""
-    phys.view(torch.uint8).copy_(cx.to_torch(new, stream).view(torch.uint8))
-
-  def _copy_pages_back(self, entry, new, pages, layer):
-    """CPU: copy the pages ``pages`` (block ids, numpy; of ``layer`` for a layered cache) of
-    JAX's new cache into torch's buffer: one numpy copy of host memory per page, no copy of
-    the rest."""
-    src = np.asarray(new).view(np.uint8)           # zero-copy: JAX's CPU buffer
-    dst = entry.host
-    if dst is None or dst.shape != src.shape:
-      dst = entry.host = host_bytes(entry.phys).reshape(src.shape)
-    inner = () if layer is None else (slice(None),) * (self.spec.layer_axis - 1) + (layer,)
-    for page in pages.tolist():
-      index = (page,) + inner
-      dst[index] = src[index]
-
   # -- the two ops ---------------------------------------------------------------------------
   def do_kv_cache_update(self, key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None,
                          layer: Optional[int] = None):
@@ -353,6 +332,12 @@ class PagedAttentionBackend:
     num_slots = entry.num_blocks * self.spec.block_size
     slots_t = self._slots(slot_mapping, num_slots, key.shape[0])
     ks, vs = self._scales(cx, k_scale, v_scale)
+    launch = self._launches.write(key.device, layer)
+    if not isinstance(launch, str):
+      launch(key, value, entry.phys, slots_t, ks, vs)
+      self.last_write_path = WRITE_PATH
+      return None
+    self.last_write_path = f"jax: {launch}"
     stream = cx.fence()        # after every torch op above, before every import below
     k, v = cx.input(key), cx.input(value)       # CUDA: fresh after the fence, carrying it
     slots = cx.view(slots_t, zero_copy=False) if slots_t is slot_mapping else cx.fresh(slots_t)
@@ -368,13 +353,14 @@ class PagedAttentionBackend:
       host = slots_t.numpy()
       named = host[(host >= 0) & (host < num_slots)]
       new.block_until_ready()
-      self._copy_pages_back(entry, new, np.unique(named // self.spec.block_size), layer)
+      copy_pages_back(entry, new, np.unique(named // self.spec.block_size), layer,
+                      self.spec.layer_axis)
       return None
     if not entry.inplace_checked:
       if new.unsafe_buffer_pointer() != entry.phys.data_ptr():
         warnings.warn("torch_bridge: XLA did not write the donated cache in place; copying back")
         entry.arr = None
-        self._copy_back(cx, entry.phys, new, stream)
+        entry.phys.view(torch.uint8).copy_(cx.to_torch(new, stream).view(torch.uint8))
         return None
       entry.inplace_checked = True
     entry.arr = new        # the donated input is gone; the result is the same memory
@@ -400,8 +386,14 @@ class PagedAttentionBackend:
     cx = self._crossing(q.device)
     q = cx.stage(q)                      # CUDA: contiguous before the fence
     metadata.check_values(t, entry.num_blocks, self.spec.block_size, self.check_cuda_inputs)
-    mql = metadata.padded(t)[3]          # torch work (padding), once per metadata and T
     ks, vs = self._scales(cx, k_scale, v_scale)
+    launch = self._launches.decode(q.device, metadata.max_query_len, layer)
+    if not isinstance(launch, str):   # the metadata as it is (int32, contiguous): no padding
+      launch(q, entry.phys, *metadata.int32_tensors(), out, ks, vs)
+      self.last_path = DECODE_PATH
+      return output
+    self.last_path = f"jax: {launch}"
+    mql = metadata.padded(t)[3]          # torch work (padding), once per metadata and T
     stream = cx.fence()                  # after every torch op above, before every import
     qj = cx.input(q)                     # CUDA: a fresh import, carrying the fence
     qsl, sl, bt = metadata.jax_arrays(cx, t)
@@ -436,6 +428,19 @@ class PagedAttentionBackend:
       self._outs[okey] = res             # it keeps out's memory alive: a small bounded set
     cx.publish(res, stream)
     return output
+
+  def direct_reason(self, device, metadata: PagedAttentionMetadata,
+                    layer: Optional[int] = None) -> Optional[str]:
+    """None when ``forward`` on ``device`` with ``metadata`` (and ``layer``) launches the
+    Mosaic GPU decode kernel from torch, else why it goes through JAX."""
+    got = self._launches.decode(device, metadata.max_query_len, layer)
+    return got if isinstance(got, str) else None
+
+  def direct_write_reason(self, device, layer: Optional[int] = None) -> Optional[str]:
+    """None when ``do_kv_cache_update`` on ``device`` (and ``layer``) launches the Mosaic
+    GPU row-store kernel from torch, else why it goes through JAX."""
+    got = self._launches.write(device, layer)
+    return got if isinstance(got, str) else None
 
   def clear_cached_views(self):
     """Forget every imported view (releases the torch memory they keep alive)."""

@@ -52,3 +52,17 @@ def check_layer(layer, num_layers, kv_cache):
   if not 0 <= layer < num_layers:
     raise ValueError(f"layer={layer} is outside [0, {num_layers}): kv_cache holds {num_layers} "
                      "layers")
+
+
+def copy_pages_back(entry: KeptCache, new, pages, layer, layer_axis: int) -> None:
+  """CPU: copy the pages ``pages`` (block ids, numpy; of ``layer`` for a layered cache whose
+  layer dim is at ``layer_axis``) of JAX's new cache ``new`` into the entry's torch buffer:
+  one numpy copy of host memory per page, no copy of the rest."""
+  src = np.asarray(new).view(np.uint8)           # zero-copy: JAX's CPU buffer
+  dst = entry.host
+  if dst is None or dst.shape != src.shape:
+    dst = entry.host = host_bytes(entry.phys).reshape(src.shape)
+  inner = () if layer is None else (slice(None),) * (layer_axis - 1) + (layer,)
+  for page in pages.tolist():
+    index = (page,) + inner
+    dst[index] = src[index]

@@ -77,6 +77,16 @@ class PagedAttentionMetadata:
                                  block_size=block_size, max_query_len=self.max_query_len)
     self._checked.add(key)
 
+  def int32_tensors(self):
+    """``(query_start_loc, seq_lens, block_table)`` as int32 contiguous tensors (the
+    metadata's own when they are; else converted once per metadata object)."""
+    got = self._padded.get("int32")
+    if got is None:
+      got = self._padded["int32"] = tuple(
+          checks.saturate_int32(getattr(self, n)).contiguous()
+          for n in ("query_start_loc", "seq_lens", "block_table"))
+    return got
+
   def padded(self, num_tokens: int):
     """``(query_start_loc, seq_lens, block_table, max_query_len bucket)`` for T query rows.
 

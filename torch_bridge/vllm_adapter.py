@@ -37,12 +37,14 @@ quantization (``output_scale`` / ``output_block_scale``), a per-request causal t
 from __future__ import annotations
 
 import dataclasses
+import enum
 import sys
 from typing import ClassVar, Optional
 
 import torch
 
 import kvjax
+from torch_bridge import dtypes
 from torch_bridge.backend import PagedAttentionBackend
 from torch_bridge.metadata import PagedAttentionMetadata
 
@@ -78,6 +80,43 @@ class KVJaxAttentionMetadata(PagedAttentionMetadata):
       raise ValueError(f"num_actual_tokens must be a non-negative int, got {n!r}")
 
 
+class AttentionCGSupport(enum.Enum):
+  """vLLM's ``AttentionCGSupport`` levels (vLLM's own enum is used when vLLM is loaded)."""
+  ALWAYS = 3
+  UNIFORM_BATCH = 2
+  UNIFORM_SINGLE_TOKEN_DECODE = 1
+  NEVER = 0
+
+
+def _cg_support(name: str):
+  for module in ("vllm.v1.attention.backend", "vllm.v1.attention.backends.utils"):
+    enum_cls = getattr(sys.modules.get(module), "AttentionCGSupport", None)
+    if enum_cls is not None:
+      return enum_cls[name]
+  return AttentionCGSupport[name]
+
+
+def graph_capture_reason(kv_cache_dtype: str, num_heads: int, num_kv_heads: int,
+                         head_size: int, block_size: int, dtype=torch.bfloat16,
+                         device="cuda") -> Optional[str]:
+  """None when a decode step of this configuration (cache write + attention, one query
+  token per request) runs as kernels launched on torch's stream, so a CUDA graph captures
+  it; else why not."""
+  from torch_bridge import mosaic_decode as MDT   # noqa: PLC0415
+  from torch_bridge import mosaic_write as MW     # noqa: PLC0415
+  if not torch.cuda.is_available():
+    return "no CUDA device"
+  why = MDT.platform_reason(device)
+  if why is not None:
+    return why
+  try:
+    spec = kvjax.KVCacheSpec(num_kv_heads, head_size, block_size, kv_cache_dtype,
+                             dtype=dtypes.numpy_dtype(dtype))
+  except ValueError as e:
+    return str(e)
+  return MW.spec_reason(spec) or MDT.spec_reason(spec, dtype, num_heads)
+
+
 class KVJaxAttentionMetadataBuilder:
   """Builds :class:`KVJaxAttentionMetadata` from vLLM's ``CommonAttentionMetadata``.
 
@@ -85,8 +124,30 @@ class KVJaxAttentionMetadataBuilder:
   (``reorder_batch_threshold = None``) and cascade attention is never asked for, so
   ``common_prefix_len`` only describes the batch: attention over each whole sequence
   gives the same result.
+
+  CUDA graphs: :meth:`get_cudagraph_support` says UNIFORM_SINGLE_TOKEN_DECODE where
+  :func:`graph_capture_reason` finds the decode step launched from torch (a Hopper GPU,
+  bf16 / f16 / fp8 per-tensor caches, a one-layer cache): vLLM then captures pure decode
+  steps whole (FULL) and runs other steps' attention eagerly between graph pieces
+  (PIECEWISE); elsewhere NEVER.
   """
   reorder_batch_threshold: ClassVar[Optional[int]] = None
+
+  @classmethod
+  def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+    """The capture level for this model and cache (vLLM's classmethod)."""
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    try:
+      why = graph_capture_reason(
+          getattr(cache, "cache_dtype", "auto"),
+          model.get_num_attention_heads(vllm_config.parallel_config),
+          kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, kv_cache_spec.block_size,
+          kv_cache_spec.dtype if kv_cache_spec.dtype in (torch.bfloat16, torch.float16)
+          else model.dtype)
+    except AttributeError as e:
+      why = f"the configuration does not say ({e})"
+    return _cg_support("NEVER" if why else "UNIFORM_SINGLE_TOKEN_DECODE")
 
   def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
     self.kv_cache_spec = kv_cache_spec

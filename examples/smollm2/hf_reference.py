@@ -40,7 +40,7 @@ def greedy(model, prompts_ids, max_new: int, eos_id: int | None):
   outputs = []
   with torch.no_grad():
     for ids in prompts_ids:
-      prompt = torch.tensor([ids])
+      prompt = torch.tensor([ids], device=model.device)
       out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                            max_new_tokens=max_new, eos_token_id=eos_id, pad_token_id=eos_id)
       outputs.append([int(t) for t in out[0, len(ids):]])

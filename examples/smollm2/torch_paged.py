@@ -79,11 +79,39 @@ class PagedLlama:
       layer.self_attn._v_scale = torch.tensor(k_scale, dtype=torch.float32, device=device)
     AttentionInterface.register(ATTENTION_NAME, _paged_attention)
     model.set_attn_implementation(ATTENTION_NAME)
+    self.max_len = max_len
+    self._graphs = {}                         # decode step shapes -> _DecodeGraph
     self.tables = BlockTables(BlockAllocator(num_blocks), BLOCK_SIZE)
     self.shapes = StepShapes(block_size=BLOCK_SIZE, max_seqs=max_seqs,
                              max_blocks_per_seq=blocks_for(max_len, BLOCK_SIZE),
                              token_buckets=(16, 64, 256))
     self.device = device
+
+  def _step_metadata(self, seq_ids, tokens, num_cached):
+    for s, new, cached in zip(seq_ids, tokens, num_cached):
+      self.tables.reserve(s, cached + len(new))
+    md = build_step_metadata(self.shapes, [self.tables.blocks(s) for s in seq_ids], num_cached,
+                             [len(t) for t in tokens])
+    ids = np.zeros(md.positions.shape, np.int64)
+    ids[:md.num_tokens] = np.concatenate(tokens)
+    return md, ids
+
+  def _last_rows(self, md, logits):
+    last = torch.as_tensor(md.query_start_loc[1:md.num_seqs + 1] - 1, device=logits.device)
+    return logits[last].float()
+
+  def graph_step(self, seq_ids, tokens, num_cached):
+    """:meth:`step` for a pure decode step (one new token per sequence), replayed from a CUDA
+    graph: the first decode step of a shape runs eagerly (it compiles the kernels), is
+    captured into a graph over fixed input tensors, and every later one copies its ids,
+    positions and metadata into those tensors and replays the graph. Needs the kernels
+    launched on torch's stream (a Hopper GPU, a 16-bit model, a bf16 / f16 / fp8 cache)."""
+    md, ids = self._step_metadata(seq_ids, tokens, num_cached)
+    key = (ids.shape, md.block_table.shape, md.query_start_loc.shape)
+    graph = self._graphs.get(key)
+    if graph is None:
+      graph = self._graphs[key] = _DecodeGraph(self, md, ids)
+    return self._last_rows(md, graph.run(md, ids))
 
   def step(self, seq_ids, tokens, num_cached):
     """One forward of a ragged batch; returns the float32 logits ``[S, V]`` at each
@@ -93,12 +121,7 @@ class PagedLlama:
     (a prompt or a chunk of it, or one token); ``num_cached``: per sequence, the tokens
     already in its pages.
     """
-    for s, new, cached in zip(seq_ids, tokens, num_cached):
-      self.tables.reserve(s, cached + len(new))
-    md = build_step_metadata(self.shapes, [self.tables.blocks(s) for s in seq_ids], num_cached,
-                             [len(t) for t in tokens])
-    ids = np.zeros(md.positions.shape, np.int64)
-    ids[:md.num_tokens] = np.concatenate(tokens)
+    md, ids = self._step_metadata(seq_ids, tokens, num_cached)
     as_torch = lambda a: torch.as_tensor(a, device=self.device)
     metadata = tb.KVJaxAttentionMetadata(
         query_start_loc=as_torch(md.query_start_loc), seq_lens=as_torch(md.seq_lens),
@@ -108,19 +131,21 @@ class PagedLlama:
     with torch.no_grad():
       logits = self.model(input_ids=as_torch(ids)[None], position_ids=as_torch(md.positions)[None],
                           use_cache=False, kvjax_step=(self, metadata)).logits[0]
-    last = torch.as_tensor(md.query_start_loc[1:md.num_seqs + 1] - 1, device=logits.device)
-    return logits[last].float()
+    return self._last_rows(md, logits)
 
-  def generate(self, prompts_ids, max_new: int, eos_id=None):
+  def generate(self, prompts_ids, max_new: int, eos_id=None, cuda_graphs: bool = False):
     """Greedy continuations of every prompt, served together: one ragged prefill step, then
     decode steps of every unfinished sequence; a finished sequence's pages are freed at once.
+    ``cuda_graphs``: decode steps replay a CUDA graph (:meth:`graph_step`).
     Returns one list of generated ids per prompt."""
     seqs = {i: list(p) for i, p in enumerate(prompts_ids)}
     cached = {i: 0 for i in seqs}
     generated = {i: [] for i in seqs}
     while seqs:
       order = list(seqs)
-      logits = self.step(order, [seqs[i][cached[i]:] for i in order], [cached[i] for i in order])
+      new = [seqs[i][cached[i]:] for i in order]
+      decode = cuda_graphs and all(len(t) == 1 for t in new)
+      logits = (self.graph_step if decode else self.step)(order, new, [cached[i] for i in order])
       for i, token in zip(order, logits.argmax(-1).tolist()):
         cached[i] = len(seqs[i])
         seqs[i].append(token)
@@ -129,3 +154,46 @@ class PagedLlama:
           del seqs[i]
           self.tables.free(i)
     return [generated[i] for i in range(len(prompts_ids))]
+
+
+class _DecodeGraph:
+  """One decode step shape of a :class:`PagedLlama` captured in a CUDA graph: the input
+  tensors it reads (ids, positions, the step's metadata) and the logits it writes. The
+  metadata says every row is real (``num_actual_tokens`` = rows: padding rows have slot -1
+  and a zero-length sequence, and their outputs are not read), so one graph serves every
+  step of the shape."""
+
+  def __init__(self, runner: PagedLlama, md, ids):
+    dev = runner.device
+    self.runner = runner
+    self.ids = torch.zeros((1,) + ids.shape, dtype=torch.int64, device=dev)
+    self.positions = torch.zeros((1,) + md.positions.shape, dtype=torch.int64, device=dev)
+    names = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    self.meta = {n: torch.zeros(getattr(md, n).shape, dtype=torch.int32, device=dev)
+                 for n in names}
+    self.metadata = tb.KVJaxAttentionMetadata(
+        **self.meta, max_query_len=1, max_seq_len=runner.max_len, num_actual_tokens=ids.size)
+    self._fill(md, ids)
+    self.logits = self._forward()             # eager: compiles every kernel of the step
+    torch.cuda.synchronize(dev)
+    self.graph = torch.cuda.CUDAGraph()
+    # thread_local: JAX's runtime threads in this process may touch CUDA meanwhile
+    with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+      self.logits = self._forward()
+
+  def _forward(self):
+    with torch.no_grad():
+      return self.runner.model(input_ids=self.ids, position_ids=self.positions, use_cache=False,
+                               kvjax_step=(self.runner, self.metadata)).logits[0]
+
+  def _fill(self, md, ids):
+    self.ids.copy_(torch.from_numpy(ids)[None])
+    self.positions.copy_(torch.from_numpy(md.positions.astype(np.int64))[None])
+    for name, t in self.meta.items():
+      t.copy_(torch.from_numpy(np.asarray(getattr(md, name), np.int32)))
+
+  def run(self, md, ids):
+    """The logits ``[T, V]`` of this step's rows, replayed."""
+    self._fill(md, ids)
+    self.graph.replay()
+    return self.logits

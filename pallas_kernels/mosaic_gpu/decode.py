@@ -16,7 +16,6 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import ragged_batch as RB
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.common import cdiv, merge_splits
 from pallas_kernels.mosaic_gpu import decode_geometry as DG
@@ -43,10 +42,62 @@ def decode_reason(spec: KVCacheSpec, q_dtype, group: Optional[int] = None) -> Op
   return None
 
 
+def decode_statics(spec: KVCacheSpec, q_dtype, num_rows: int, num_heads: int,
+                   num_seqs: int, max_blocks: int, num_blocks: int, *, sliding_window=None,
+                   soft_cap=None, sinks: bool = False, interpret: bool = False,
+                   geometry=None, num_splits: Optional[int] = None,
+                   finish: Optional[bool] = None, num_sms: Optional[int] = None):
+  """The kernel's statics (:class:`.decode_kernel.DecodeStatics`) for one call shape.
+
+  num_rows: query rows; num_heads: Hq; num_seqs: S, sequences; max_blocks: the block
+  table's width; num_blocks: the cache's. num_splits None: one with ``finish=True``, else
+  :func:`.decode_geometry.num_splits_for` (on ``num_sms`` SMs, None: this process's GPU).
+  finish None: the kernel writes the output itself when it runs one split. Raises
+  ValueError when the kernel cannot take the call.
+  """
+  from pallas_kernels.mosaic_gpu import decode_kernel as DK   # noqa: PLC0415
+  h = spec.num_kv_heads
+  g = num_heads // h
+  reason = decode_reason(spec, q_dtype, g)
+  if reason is not None:
+    raise ValueError(f"Mosaic GPU decode: {reason}")
+  ops = ADAPTERS.hooks(spec.codec).of(spec, q_dtype)
+  steps = cdiv(max_blocks * spec.block_size, DG.DecodeGeometry.block_kv)
+  if num_splits is None and finish:
+    num_splits = 1
+  splits = int(num_splits or DG.num_splits_for(num_rows, h, steps, num_sms or MT.num_sms()))
+  finish = splits == 1 if finish is None else bool(finish)
+  geo = geometry or DG.choose_geometry(ops, g, spec.block_size, spec.head_size, finish=finish)
+  if geo.smem_bytes(ops, finish) > DG.SMEM_BUDGET:
+    raise ValueError(f"geometry {geo} needs {geo.smem_bytes(ops, finish)} bytes of shared "
+                     f"memory; the budget is {DG.SMEM_BUDGET}")
+  return DK.DecodeStatics(
+      geo=geo, ops=ops, num_kv_heads=h, layout=spec.layout, num_blocks=num_blocks,
+      num_seqs=num_seqs, max_blocks=max_blocks, num_splits=splits,
+      window=None if sliding_window is None else int(sliding_window),
+      soft_cap=None if soft_cap is None else float(soft_cap), interpret=bool(interpret),
+      finish=finish, sinks=bool(sinks) and finish)
+
+
+def padded_heads(num_heads: int, geo) -> int:
+  """Query heads the kernel's q (and sinks) must have: the kernel copies 16 query rows from
+  a multiple of 8 (rows past Hq read as zeros), TMA wants a head count that is a multiple
+  of 8, and at least the 16 rows of one copy."""
+  return max(geo.cols, cdiv(num_heads, DG.ALIGN_ROWS) * DG.ALIGN_ROWS)
+
+
+def sink_columns(sinks, num_heads_padded: int):
+  """Sink logits float32 ``[Hq]`` as the kernel reads them in finish mode: log2 domain,
+  padded to ``num_heads_padded`` with a finite floor (padded columns are discarded)."""
+  x = jnp.asarray(sinks, jnp.float32) * math.log2(math.e)
+  return jnp.pad(x, (0, num_heads_padded - x.shape[0]), constant_values=-1e30)
+
+
 def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table, scale,
                            sliding_window=None, soft_cap=None, sinks=None, k_scale=None,
                            v_scale=None, query_start_loc=None, interpret: bool = False,
-                           geometry=None, num_splits: Optional[int] = None):
+                           geometry=None, num_splits: Optional[int] = None,
+                           finish: Optional[bool] = None):
   """Decode attention over the packed paged cache with the Mosaic GPU kernel.
 
   Args:
@@ -58,7 +109,9 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
     query_start_loc: int ``[S+1]`` or None (= ``arange(S+1)``), as the Triton decode path.
     interpret: Mosaic GPU interpret mode (CPU, jax >= 0.11).
     geometry: a :class:`.decode_geometry.DecodeGeometry` (None: chosen), num_splits: None =
-      :func:`.decode_geometry.num_splits_for`; both for benchmark sweeps.
+      :func:`.decode_geometry.num_splits_for`; both for benchmark sweeps. finish: whether
+      the kernel writes the output (one split only); None: when it runs one split, else
+      the partials are merged in XLA.
   Returns:
     ``[S, Hq, D]`` in q's dtype.
   """
@@ -66,42 +119,29 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   num_rows, hq, d = q.shape
   h = spec.num_kv_heads
   g = hq // h
-  reason = decode_reason(spec, q.dtype, g)
-  if reason is not None:
-    raise ValueError(f"Mosaic GPU decode: {reason}")
-  ops = ADAPTERS.hooks(spec.codec).of(spec, q.dtype)
-  geo = geometry or DG.choose_geometry(ops, g, spec.block_size, d)
-  if geo.smem_bytes(ops) > DG.SMEM_BUDGET:
-    raise ValueError(f"geometry {geo} needs {geo.smem_bytes(ops)} bytes of shared memory; "
-                     f"the budget is {DG.SMEM_BUDGET}")
   max_blocks = block_table.shape[1]
-  capacity = max_blocks * spec.block_size
   num_seqs = seq_lens.shape[0]
-  # Row r's sequence (num_seqs: none -> no keys, output 0), its key count and block ids.
-  if query_start_loc is None:
-    seq = jnp.arange(num_rows, dtype=jnp.int32)
-  else:
-    seq = RB.decode_sequences(query_start_loc, num_rows)
-  real = seq < num_seqs
-  seq_c = jnp.minimum(seq, num_seqs - 1)
-  lens = jnp.where(real, jnp.clip(jnp.asarray(seq_lens, jnp.int32), 0, capacity)[seq_c], 0)
-  bt = jnp.asarray(block_table, jnp.int32)[seq_c].reshape(-1)
+  st = decode_statics(spec, q.dtype, num_rows, hq, num_seqs, max_blocks,
+                      spec.num_blocks_of(cache),
+                      sliding_window=sliding_window, soft_cap=soft_cap,
+                      sinks=sinks is not None, interpret=interpret, geometry=geometry,
+                      num_splits=num_splits, finish=finish)
+  geo, ops = st.geo, st.ops
+  qsl = (jnp.arange(num_seqs + 1, dtype=jnp.int32) if query_start_loc is None
+         else jnp.asarray(query_start_loc, jnp.int32))
+  meta = (qsl, jnp.asarray(seq_lens, jnp.int32),
+          jnp.asarray(block_table, jnp.int32).reshape(-1))
   scales = spec.codec.tensor_scales(k_scale, v_scale, h)               # [2, H]
   factors = (jnp.asarray(scale, jnp.float32) * math.log2(math.e)) * scales[0]
-  splits = num_splits or DG.num_splits_for(num_rows, h, cdiv(capacity, geo.block_kv),
-                                           MT.num_sms())
-  st = DK.DecodeStatics(
-      geo=geo, ops=ops, num_kv_heads=h, layout=spec.layout,
-      num_blocks=spec.num_blocks_of(cache), max_blocks=max_blocks, num_splits=int(splits),
-      window=None if sliding_window is None else int(sliding_window),
-      soft_cap=None if soft_cap is None else float(soft_cap), interpret=bool(interpret))
-  # The kernel copies 16 query rows from a multiple of 8 (rows past Hq read as zeros): TMA
-  # wants a head count that is a multiple of 8, and at least the 16 rows of one copy.
   qk = ops.q_operand(q)
-  hq_pad = max(geo.cols, cdiv(hq, DG.ALIGN_ROWS) * DG.ALIGN_ROWS)
+  hq_pad = padded_heads(hq, geo)
   if hq_pad != hq:
     qk = jnp.pad(qk, ((0, 0), (0, hq_pad - hq), (0, 0)))
-  acc, ml = DK.decode_call(lens, bt, factors, qk, cache, st=st)
+  if st.finish:
+    return DK.decode_call(*meta, factors, qk, cache, st=st, v_factors=scales[1],
+                          sinks=None if sinks is None else sink_columns(sinks, hq_pad),
+                          out_dtype=q.dtype)
+  acc, ml = DK.decode_call(*meta, factors, qk, cache, st=st)
   # Head h's queries are columns col_offset(h) + [0, G) of the partials.
   cols = np.asarray([[geo.col_offset(i) + j for j in range(g)] for i in range(h)], np.int32)
   acc = jnp.take_along_axis(acc, cols[None, :, None, None, :], axis=-1)   # [S, H, P, D, G]

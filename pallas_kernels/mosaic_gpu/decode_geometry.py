@@ -61,15 +61,17 @@ class DecodeGeometry:
     """Column of head ``head``'s first query in S^T (its rows start on 8-row tiles)."""
     return (head * self.group) % ALIGN_ROWS
 
-  def smem_bytes(self, ops: Operands) -> int:
-    """Shared memory of a block: its buffers and Mosaic GPU's own (:data:`MOSAIC_RESERVED`)."""
+  def smem_bytes(self, ops: Operands, finish: bool = False) -> int:
+    """Shared memory of a block: its buffers and Mosaic GPU's own (:data:`MOSAIC_RESERVED`).
+    ``finish``: the kernel writes output rows (a 16-bit ``(T, D)`` buffer and ``O^T`` in the
+    compute dtype) instead of float32 partials."""
     t, d = self.block_kv, self.head_size
     compute = np.dtype(ops.compute).itemsize
     land = 2 * self.stages * t * d * np.dtype(ops.storage).itemsize
     v = t * d * compute
     q = self.cols * d * compute
     p = t * self.cols * compute
-    out = (d + 2) * self.cols * 4
+    out = d * self.cols * compute + t * d * 2 if finish else (d + 2) * self.cols * 4
     return land + v + q + p + out + MOSAIC_RESERVED
 
 
@@ -91,13 +93,13 @@ def group_reason(group: int, num_kv_heads: int, cols: int = 16) -> Optional[str]
 
 
 def choose_geometry(ops: Operands, group: int, block_size: int, head_size: int,
-                    max_stages: int = 8) -> DecodeGeometry:
+                    max_stages: int = 8, finish: bool = False) -> DecodeGeometry:
   """The most K/V slots (2 to ``max_stages``) with which :data:`BLOCKS_PER_SM` blocks fit in
-  an SM's shared memory."""
+  an SM's shared memory (``finish``: :meth:`DecodeGeometry.smem_bytes`)."""
   best = DecodeGeometry(group, block_size, head_size, stages=2)
   for stages in range(3, max_stages + 1):
     geo = dataclasses.replace(best, stages=stages)
-    if geo.smem_bytes(ops) * BLOCKS_PER_SM > SMEM_BUDGET:
+    if geo.smem_bytes(ops, finish) * BLOCKS_PER_SM > SMEM_BUDGET:
       break
     best = geo
   return best

@@ -11,7 +11,7 @@ swizzle; so K/V land with the format's swizzle (plain caches: the widest their r
 32-byte-swizzled buffer on its way to ``V^T P^T`` (in the compute dtype: the format hook
 converts there).
 
-One CUDA block per (KV head, sequence, split) with two warpgroups (one consumer: Mosaic GPU's
+One CUDA block per (KV head, query row, split) with two warpgroups (one consumer: Mosaic GPU's
 cross-warp reductions share one scratch buffer per block, so two consumer warpgroups of a
 block could not reduce at the same time; two blocks per SM fit instead):
 
@@ -29,6 +29,12 @@ block could not reduce at the same time; two blocks per SM fit instead):
 
 The block writes its unnormalized partials (``acc^T``, the max in the log2 domain, the sum)
 as one split of the output; :func:`pallas_kernels.common.merge_splits` combines them in XLA.
+With one split the block can finish the job instead (``DecodeStatics.finish``): it starts
+the running max and sum at the sinks (a sink is one more key whose value row is 0), normalizes
+``acc^T``, turns it into query rows with one more wgmma, ``O = E O^T^T`` where ``E`` (64 x
+16) holds a 1 at ``(r, c0 + r)`` (the exact transpose of the bf16 / f16-rounded output, its
+rows ``r < G`` the head's queries), applies the V scale and copies the G rows into the
+output ``[R, Hq, D]``: one kernel launch is the whole decode.
 The query rows: head h's G queries are rows ``[h G, h G + G)`` of ``q[s]``; the kernel
 copies the 16 rows from ``r0 = h G - (h G) % 8`` (a TMA copy into a tiled buffer must start
 on a multiple of 8 rows), so head h's queries are columns ``(h G) % 8 + [0, G)`` of S^T; the
@@ -62,11 +68,26 @@ class DecodeStatics:
   num_kv_heads: int           # H
   layout: str                 # "NHD" / "HND"
   num_blocks: int             # B
+  num_seqs: int               # S, sequences of the batch (query rows may be more or fewer)
   max_blocks: int             # block_table.shape[1]
   num_splits: int
   window: Optional[int]
   soft_cap: Optional[float]
   interpret: bool = False     # Mosaic GPU interpret mode (CPU, jax >= 0.11)
+  finish: bool = False        # the block writes normalized output rows (one split only)
+  sinks: bool = False         # finish: the running max and sum start at the sinks
+
+  def __post_init__(self):
+    if self.finish and self.num_splits != 1:
+      raise ValueError(f"finish=True writes whole outputs: num_splits={self.num_splits} "
+                       "must be 1")
+    if self.sinks and not self.finish:
+      raise ValueError("sinks in the kernel need finish=True (partials merge them in XLA)")
+
+  @property
+  def capacity(self) -> int:
+    """Keys a block-table row can name: ``max_blocks * block_size``."""
+    return self.max_blocks * self.geo.block_size
 
 
 def _kv_box(cache_ref, st: DecodeStatics, blk, h, off, n, side):
@@ -78,21 +99,41 @@ def _kv_box(cache_ref, st: DecodeStatics, blk, h, off, n, side):
   return cache_ref.at[blk, h, pl.ds(off, n), cols]
 
 
-def _kernel(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref, scratch, *,
-            st: DecodeStatics):
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+  """The kernel's GMEM refs: inputs (``vfac``, ``sinks``: finish mode only; ``sinks`` only
+  with sinks) and outputs (``acc``, ``ml``: partials; ``out``: finish mode)."""
+  qsl: object
+  lens: object
+  bt: object
+  fac: object
+  q: object
+  cache: object
+  vfac: object = None
+  sinks: object = None
+  acc: object = None
+  ml: object = None
+  out: object = None
+
+
+def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
+  # o_smem, ml_smem: the partials; in finish mode O^T in the compute dtype and the rows.
   ((q_smem, k_land, v_land, v_smem, p_smem, o_smem, ml_smem, k_staged), q_bar,
    (k_bars, v_bars), (k_free, v_free)) = scratch
+  bt_ref, fac_ref, q_ref, cache_ref = refs.bt, refs.fac, refs.q, refs.cache
   geo, ops = st.geo, st.ops
   t_keys, ncol, d = geo.block_kv, geo.cols, geo.head_size
   wgmma_layout = plgpu.Layout.WGMMA
   cast = plgpu.layout_cast
   h = lax.axis_index("head")
-  s = lax.axis_index("seq")
+  r = lax.axis_index("row")
   split = lax.axis_index("split")
   wg = lax.axis_index("wg")
 
-  # Keys [lo_tok, seq_len) in steps of T; this split's steps [start, start + n).
-  seq_len = len_ref[s]
+  # Row r's sequence, its keys [lo_tok, seq_len) in steps of T; this split's steps
+  # [start, start + n). A row of no sequence reads no key (its output is 0).
+  seq, real = _row_sequence(refs.qsl, r, st.num_seqs)
+  seq_len = jnp.where(real, jnp.clip(refs.lens[seq], 0, st.capacity), 0)
   lo_tok = jnp.maximum(seq_len - st.window, 0) if st.window else jnp.int32(0)
   lo_step = lax.div(lo_tok, t_keys)
   hi_step = lax.div(seq_len + t_keys - 1, t_keys)
@@ -104,7 +145,7 @@ def _kernel(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref, scratch
   def _consumer():
     hg = h * geo.group
     row0 = hg - lax.rem(hg, ALIGN_ROWS)           # head h's queries: columns hg - row0 + [0, G)
-    plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(row0, ncol)], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(row0, ncol)], q_smem, q_bar)
     plgpu.barrier_wait(q_bar)
     fac = fac_ref[h]
     rows = cast(lax.broadcasted_iota(jnp.int32, (t_keys, ncol), 0), wgmma_layout)
@@ -160,15 +201,21 @@ def _kernel(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref, scratch
       return acc, m_new, l_part
 
     acc0 = cast(jnp.zeros((d, ncol), jnp.float32), wgmma_layout)
-    m0 = cast(jnp.full((ncol,), _M_INIT, jnp.float32), wgmma_layout.reduce(0))
-    l0 = cast(jnp.zeros((t_keys, ncol), jnp.float32), wgmma_layout)
+    if st.sinks:     # a sink is a key whose value row is 0: max starts at it, sum at 1
+      m0, l0 = _sink_start(refs.sinks, row0, rows, ncol)
+    else:
+      m0 = cast(jnp.full((ncol,), _M_INIT, jnp.float32), wgmma_layout.reduce(0))
+      l0 = cast(jnp.zeros((t_keys, ncol), jnp.float32), wgmma_layout)
     acc, m, l_part = lax.fori_loop(0, n, step, (acc0, m0, l0))
+    if st.finish:
+      _write_rows(refs, acc, l_part.sum(axis=0), rows, hg - row0, o_smem, ml_smem, p_smem, st)
+      return
     o_smem[...] = acc
     ml_smem[0, :] = m
     ml_smem[1, :] = l_part.sum(axis=0)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[s, h, split])
-    plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[s, h, split])
+    plgpu.copy_smem_to_gmem(o_smem, refs.acc.at[r, h, split])
+    plgpu.copy_smem_to_gmem(ml_smem, refs.ml.at[r, h, split])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
@@ -182,7 +229,7 @@ def _kernel(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref, scratch
       for p in range(geo.pieces_per_step):
         key0 = (start + i) * t_keys + p * piece
         page = jnp.minimum(lax.div(key0, geo.block_size), st.max_blocks - 1)
-        ids.append(jnp.clip(bt_ref[s * st.max_blocks + page], 0, st.num_blocks - 1))
+        ids.append(jnp.clip(bt_ref[seq * st.max_blocks + page], 0, st.num_blocks - 1))
       return ids
 
     def issue(i, side, bars, ids):
@@ -216,18 +263,79 @@ def _kernel(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref, scratch
       plgpu.barrier_wait(v_free.at[slot])
 
 
-def decode_call(seq_lens, block_table_flat, factors, q, cache, *, st: DecodeStatics):
-  """Launch the kernel.
+def _row_sequence(qsl_ref, row, num_seqs: int):
+  """(sequence, whether it has query row ``row``): the last s in ``[0, S]`` with
+  ``query_start_loc[s] <= row`` by binary search (scalar loads; sequences without query
+  rows repeat their start and are skipped); ``row >= query_start_loc[S]`` has none."""
+  lo, hi = jnp.int32(0), jnp.int32(num_seqs + 1)        # the answer is in [lo, hi)
+  for _ in range(int(num_seqs).bit_length()):            # ceil(log2(S + 1)) halvings
+    mid = lax.div(lo + hi, 2)
+    right = qsl_ref[mid] <= row
+    lo = jnp.where(right, mid, lo)
+    hi = jnp.where(right, hi, mid)
+  return jnp.minimum(lo, num_seqs - 1), lo < num_seqs
 
-  seq_lens: int32 ``[S]`` keys of each query row's sequence (0: none); block_table_flat:
-  int32 ``[S * max_blocks]`` (row s: that sequence's block ids); factors: float32 ``[H]``,
-  softmax scale x K scale x log2(e) per KV head; q: ``[S, Hq, D]`` in the compute dtype;
-  cache: the physical cache. Returns the unnormalized partials, one per split: acc float32
-  ``[S, H, splits, D, 16]`` (transposed: columns are query columns), and float32
-  ``[S, H, splits, 2, 16]`` holding the running max (log2 domain) and the sum.
+
+def _sink_start(sinks_ref, row0, rows, ncol):
+  """The running max and per-thread sums a block starts from with sinks: the max is the sink
+  of each query column (log2 domain, read from ``sinks_ref[row0 + c]``), the sum 1 (one
+  thread's share of row 0)."""
+  wgmma_layout = plgpu.Layout.WGMMA
+  cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, rows.shape, 1), wgmma_layout)
+  tile = plgpu.layout_cast(jnp.full(rows.shape, _M_INIT, jnp.float32), wgmma_layout)
+  for c in range(ncol):
+    tile = jnp.where(cols == c, sinks_ref[row0 + c], tile)
+  return tile.max(axis=0), jnp.where(rows == 0, 1.0, 0.0).astype(jnp.float32)
+
+
+def _write_rows(refs: _Refs, acc, l, rows, c0, ot_smem, out_smem, p_smem, st: DecodeStatics):
+  """Finish mode: the normalized output of head h's G queries, as rows of ``refs.out``.
+
+  acc: float32 ``(D, 16)`` (``O^T`` unnormalized, WGMMA layout); l: ``(16,)`` sums; rows:
+  int32 ``(64, 16)`` row iota (WGMMA layout); c0: the column of the head's first query.
+  ``ot_smem`` ``(D, 16)`` takes ``O^T`` in the compute dtype, ``p_smem`` ``(64, 16)`` the
+  selection ``E``, ``out_smem`` ``(64, D)`` the rows in the output dtype.
+  """
+  wgmma_layout = plgpu.Layout.WGMMA
+  h, r = lax.axis_index("head"), lax.axis_index("row")
+  t_keys, d, group = st.geo.block_kv, st.geo.head_size, st.geo.group
+  inv = jnp.where(l > 0, 1.0 / l, 0.0)            # no visible key: the output is 0
+  ot_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(st.ops.compute)
+  cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, rows.shape, 1), wgmma_layout)
+  p_smem[...] = jnp.where(cols == rows + c0, 1.0, 0.0).astype(st.ops.compute)
+  plgpu.commit_smem()
+
+  def transpose(acc_ref):
+    plgpu.wgmma(acc_ref, p_smem, ot_smem.transpose((1, 0)))
+    return acc_ref[...]
+  o = pl.run_scoped(transpose, plgpu.ACC((t_keys, d), jnp.float32))
+  out_smem[...] = (o * refs.vfac[h]).astype(out_smem.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, group)],
+                          refs.out.at[r, pl.ds(h * group, group)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, *,
+                st: DecodeStatics, v_factors=None, sinks=None, out_dtype=None):
+  """Launch the kernel: one CUDA block per (KV head, query row, split).
+
+  query_start_loc: int32 ``[S+1]`` (each sequence has at most one query row: a decode
+  batch); seq_lens: int32 ``[S]`` keys of each sequence (clipped to ``[0, capacity]``);
+  block_table_flat: int32 ``[S * max_blocks]`` (row s: that sequence's block ids); factors:
+  float32 ``[H]``, softmax scale x K scale x log2(e) per KV head; q: ``[R, Hq', D]`` query
+  rows in the compute dtype (Hq' >= Hq: :func:`.decode.padded_heads`); cache: the physical
+  cache. Rows of no sequence read no key.
+
+  Partials (``st.finish`` False): returns the unnormalized partials, one per split: acc
+  float32 ``[R, H, splits, D, 16]`` (transposed: columns are query columns), and float32
+  ``[R, H, splits, 2, 16]`` holding the running max (log2 domain) and the sum.
+  Finish mode: also v_factors float32 ``[H]`` (V scale per KV head), sinks float32 ``[Hq']``
+  (log2 domain, with ``st.sinks``), out_dtype; returns ``[R, Hq, D]`` of out_dtype, Hq =
+  G * H (rows of no sequence: 0).
   """
   geo, ops = st.geo, st.ops
-  num_seqs = q.shape[0]
+  num_rows = q.shape[0]
   h = st.num_kv_heads
   parts = st.num_splits
   t_keys, d, ncol = geo.block_kv, geo.head_size, geo.cols
@@ -250,29 +358,49 @@ def decode_call(seq_lens, block_table_flat, factors, q, cache, *, st: DecodeStat
           ops.landing(geo.stages, t_keys, d, tiled),
           tiled((t_keys, d), ops.compute, pv_swizzle),
           tiled((t_keys, ncol), ops.compute, pv_swizzle),
-          plgpu.SMEM((d, ncol), jnp.float32),
-          plgpu.SMEM((2, ncol), jnp.float32),
+          *_epilogue_buffers(st, tiled, pv_swizzle, out_dtype),
           tiled((t_keys, d), ops.compute) if st.interpret and ops.k_in_registers else None)
   kv_bars = plgpu.Barrier(num_arrivals=geo.pieces_per_step, num_barriers=geo.stages)
   free_bars = plgpu.Barrier(num_arrivals=1, num_barriers=geo.stages)
+  f32 = jnp.float32
+  if st.finish:
+    names = ("qsl", "lens", "bt", "fac", "vfac") + (("sinks",) if st.sinks else ()) + (
+        "q", "cache", "out")
+    args = (query_start_loc, seq_lens, block_table_flat, factors, v_factors) + (
+        (sinks,) if st.sinks else ()) + (q, cache)
+    out_type = jax.ShapeDtypeStruct((num_rows, h * geo.group, d), out_dtype)
+  else:
+    names = ("qsl", "lens", "bt", "fac", "q", "cache", "acc", "ml")
+    args = (query_start_loc, seq_lens, block_table_flat, factors, q, cache)
+    out_type = (jax.ShapeDtypeStruct((num_rows, h, parts, d, ncol), f32),
+                jax.ShapeDtypeStruct((num_rows, h, parts, 2, ncol), f32))
 
-  def kvjax_mgpu_decode(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref):
+  def kvjax_mgpu_decode(*gmem_refs):
+    refs = _Refs(**dict(zip(names, gmem_refs, strict=True)))
     pl.run_scoped(
-        lambda *scratch: _kernel(len_ref, bt_ref, fac_ref, q_ref, cache_ref, acc_ref, ml_ref,
-                                 scratch, st=st),
+        lambda *scratch: _kernel(refs, scratch, st=st),
         smem, plgpu.Barrier(num_arrivals=1), (kv_bars, kv_bars), (free_bars, free_bars),
         collective_axes="wg")
 
-  f32 = jnp.float32
   return plgpu.kernel(
       kvjax_mgpu_decode,
-      out_type=(jax.ShapeDtypeStruct((num_seqs, h, parts, d, ncol), f32),
-                jax.ShapeDtypeStruct((num_seqs, h, parts, 2, ncol), f32)),
-      grid=(h, num_seqs, st.num_splits),
-      grid_names=("head", "seq", "split"),
+      out_type=out_type,
+      grid=(h, num_rows, st.num_splits),
+      grid_names=("head", "row", "split"),
       num_threads=2,
       thread_name="wg",
       interpret=interpret_params() if st.interpret else None,
       compiler_params=plgpu.CompilerParams(   # Lane semantics on every version: compat.py
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-  )(seq_lens, block_table_flat, factors, q, cache)
+  )(*args)
+
+
+def _epilogue_buffers(st: DecodeStatics, tiled, pv_swizzle, out_dtype):
+  """The two buffers after the K/V loop: the partials' ``acc^T`` (float32 ``(D, 16)``) and
+  max / sum ``(2, 16)``; in finish mode ``O^T`` in the compute dtype (``(D, 16)``, read
+  transposed by wgmma) and the output rows ``(64, D)`` (copied out by TMA)."""
+  d, ncol = st.geo.head_size, st.geo.cols
+  if st.finish:
+    return (tiled((d, ncol), st.ops.compute, pv_swizzle),
+            plgpu.SMEM((st.geo.block_kv, d), out_dtype))
+  return plgpu.SMEM((d, ncol), jnp.float32), plgpu.SMEM((2, ncol), jnp.float32)
