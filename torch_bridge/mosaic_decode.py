@@ -126,7 +126,7 @@ class TorchDecode:
                               sinks=sinks, out_dtype=q_np)
     else:
       fn = functools.partial(DK.decode_call, st=st)
-    launch = ML.TorchLaunch(ML.kernel_module(fn, *structs))
+    launch = ML.TorchLaunch(ML.kernel_module(fn, *structs), device)
     own_q = hq_pad != hq or np.dtype(st.ops.compute) != q_np
     q_buf = (torch.zeros((rows, hq_pad, d), dtype=dtypes.torch_dtype(st.ops.compute),
                          device=device) if own_q else None)

@@ -91,14 +91,25 @@ def _plugin_library():
 class TorchLaunch:
   """One compiled Mosaic GPU kernel, launched on torch tensors.
 
-  ``launch(*buffers)``: inputs then outputs as torch CUDA tensors, contiguous, of the shapes
-  and dtypes of :attr:`module` (checked by :meth:`check` only: the launch itself reads
-  ``data_ptr()`` and nothing else, to stay a few microseconds).
+  ``launch(*buffers)``: inputs then outputs as torch CUDA tensors on ``device``, contiguous,
+  of the shapes and dtypes of :attr:`module` (checked at the first launch, :meth:`check`;
+  later launches read ``data_ptr()`` and nothing else, to stay a few microseconds).
   """
 
-  def __init__(self, module: KernelModule):
+  def __init__(self, module: KernelModule, device):
     import torch   # noqa: PLC0415
-    torch.cuda.init()             # the CUDA context the module is loaded into
+    torch.cuda.init()
+    self.device = torch.device(device)
+    if self.device.index is None:
+      self.device = torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.device(self.device):      # the context the module is loaded into
+      self._load(module)
+    self.module = module
+    self._count = len(module.inputs) + len(module.outputs)
+    self._torch = torch
+    self._checked = False
+
+  def _load(self, module: KernelModule):
     dll = _plugin_library()
     compile_fn = dll.MosaicGpuCompile
     compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -113,10 +124,6 @@ class TorchLaunch:
     self._function = ctypes.c_void_p(compiled[0])
     self._launch = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.POINTER(ctypes.c_void_p))(compiled[1])
-    self.module = module
-    self._count = len(module.inputs) + len(module.outputs)
-    self._ptrs = (ctypes.c_void_p * self._count)()
-    self._torch = torch
 
   def check(self, buffers: Sequence) -> None:
     """Raise ValueError unless ``buffers`` are contiguous CUDA tensors of the module's shapes
@@ -127,18 +134,26 @@ class TorchLaunch:
     from torch_bridge.dtypes import numpy_dtype   # noqa: PLC0415
     for i, (t, (shape, dtype)) in enumerate(zip(buffers, want)):
       got = (tuple(t.shape), np.dtype(numpy_dtype(t.dtype)))
-      if got != (shape, dtype) or not t.is_cuda or not t.is_contiguous():
-        raise ValueError(f"buffer {i}: expected a contiguous CUDA tensor {shape} {dtype}, "
+      if got != (shape, dtype) or t.device != self.device or not t.is_contiguous():
+        raise ValueError(f"buffer {i}: expected a contiguous tensor {shape} {dtype} on "
+                         f"{self.device}, "
                          f"got {got[0]} {got[1]} on {t.device}"
                          f"{'' if t.is_contiguous() else ', not contiguous'}")
 
   def launch(self, *buffers) -> None:
-    """Launch on torch's current stream of the first buffer's device."""
-    ptrs = self._ptrs
-    for i, t in enumerate(buffers):
-      ptrs[i] = t.data_ptr()
-    stream = self._torch.cuda.current_stream(buffers[0].device).cuda_stream
-    self._launch(self._function, ctypes.c_void_p(stream), ptrs)
+    """Launch on torch's current stream of the module's device (the buffers must be
+    there)."""
+    if not self._checked:
+      self.check(buffers)
+      self._checked = True
+    ptrs = (ctypes.c_void_p * self._count)(*(t.data_ptr() for t in buffers))
+    cuda = self._torch.cuda
+    stream = ctypes.c_void_p(cuda.current_stream(self.device).cuda_stream)
+    if cuda.current_device() == self.device.index:
+      self._launch(self._function, stream, ptrs)
+    else:
+      with cuda.device(self.device):        # the module's context must be current
+        self._launch(self._function, stream, ptrs)
 
   def __del__(self):
     compiled, self._compiled = getattr(self, "_compiled", None), None

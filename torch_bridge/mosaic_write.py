@@ -50,8 +50,8 @@ class TorchWrite:
     self._storage = dtypes.torch_dtype(spec.storage_dtype)
     self._compiled = {}
 
-  def _launch(self, tokens: int, num_blocks: int) -> ML.TorchLaunch:
-    key = (tokens, num_blocks)
+  def _launch(self, tokens: int, num_blocks: int, device) -> ML.TorchLaunch:
+    key = (tokens, num_blocks, device)
     launch = self._compiled.get(key)
     if launch is None:
       from pallas_kernels.mosaic_gpu.write import write_rows   # noqa: PLC0415
@@ -61,7 +61,7 @@ class TorchWrite:
       structs = (jax.ShapeDtypeStruct((tokens,), jnp.int32), rows, rows,
                  jax.ShapeDtypeStruct(spec.physical_shape(num_blocks), spec.storage_dtype))
       module = ML.kernel_module(lambda s, k, v, c: write_rows(c, k, v, s, spec), *structs)
-      launch = self._compiled[key] = ML.TorchLaunch(module)
+      launch = self._compiled[key] = ML.TorchLaunch(module, device)
     return launch
 
   def _quantized(self, x, scale):
@@ -88,4 +88,5 @@ class TorchWrite:
     elif key.dtype != self._storage:                  # a plain cache of another 16-bit dtype
       key, value = key.to(self._storage), value.to(self._storage)
     cache = cache.view(self._storage)
-    self._launch(key.shape[0], cache.shape[0]).launch(slots, key, value, cache, cache)
+    self._launch(key.shape[0], cache.shape[0], key.device).launch(slots, key, value, cache,
+                                                                  cache)

@@ -265,14 +265,24 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
 
 def _row_sequence(qsl_ref, row, num_seqs: int):
   """(sequence, whether it has query row ``row``): the last s in ``[0, S]`` with
-  ``query_start_loc[s] <= row`` by binary search (scalar loads; sequences without query
-  rows repeat their start and are skipped); ``row >= query_start_loc[S]`` has none."""
-  lo, hi = jnp.int32(0), jnp.int32(num_seqs + 1)        # the answer is in [lo, hi)
-  for _ in range(int(num_seqs).bit_length()):            # ceil(log2(S + 1)) halvings
-    mid = lax.div(lo + hi, 2)
-    right = qsl_ref[mid] <= row
-    lo = jnp.where(right, mid, lo)
-    hi = jnp.where(right, hi, mid)
+  ``query_start_loc[s] <= row`` (sequences without query rows repeat their start and are
+  skipped); ``row >= query_start_loc[S]`` has none.
+
+  The usual decode batch, one row per sequence, is answered by two independent scalar loads
+  (``query_start_loc[row] == row`` and ``[row + 1] == row + 1``: sequence ``row``); other
+  batches by a binary search, ``ceil(log2(S + 1))`` dependent loads."""
+  at = jnp.minimum(row, num_seqs - 1)
+  own = (row < num_seqs) & (qsl_ref[at] == row) & (qsl_ref[at + 1] == row + 1)
+
+  def search():
+    lo, hi = jnp.int32(0), jnp.int32(num_seqs + 1)      # the answer is in [lo, hi)
+    for _ in range(int(num_seqs).bit_length()):
+      mid = lax.div(lo + hi, 2)
+      right = qsl_ref[mid] <= row
+      lo = jnp.where(right, mid, lo)
+      hi = jnp.where(right, hi, mid)
+    return lo
+  lo = lax.cond(own, lambda: at, search)
   return jnp.minimum(lo, num_seqs - 1), lo < num_seqs
 
 
@@ -313,7 +323,7 @@ def _write_rows(refs: _Refs, acc, l, rows, c0, ot_smem, out_smem, p_smem, st: De
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, group)],
                           refs.out.at[r, pl.ds(h * group, group)])
-  plgpu.wait_smem_to_gmem(0)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the grid's end makes the rows visible
 
 
 def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, *,

@@ -56,7 +56,7 @@ def _kernel(slots_ref, k_ref, v_ref, cache_ref, k_smem, v_smem, bar, *, st: Writ
     blk, off = lax.div(slot, st.block_size), lax.rem(slot, st.block_size)
     plgpu.copy_smem_to_gmem(k_smem, _row_box(cache_ref, st, blk, off, 0))
     plgpu.copy_smem_to_gmem(v_smem, _row_box(cache_ref, st, blk, off, 1))
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the grid's end makes the rows visible
 
 
 def store_rows(slots, key_rows, value_rows, cache_ref, *, st: WriteStatics) -> None:
