@@ -174,6 +174,31 @@ NUMERICS_CASES = [
 
 
 @mosaic_gpu_numerics
+@pytest.mark.parametrize("layout,finish", [("NHD", True), ("HND", False)])
+def test_layered_cache_reads_its_layer(rng, layout, finish):
+  """A layered (5-D) cache, the layer a traced operand: equal to the reference reading that
+  layer (the other layers hold NaN)."""
+  spec = kvjax.KVCacheSpec(2, 64, 16, "bfloat16", layout=layout, dtype=BF16)
+  blocks, layers, layer = 8, 3, 2
+  lens = [40, 100]
+  bt = np.arange(16, dtype=np.int32).reshape(2, 8) % blocks
+  bt[1] = [4, 5, 6, 7, 0, 1, 2, 3]
+  cache = jnp.full(spec.physical_shape(blocks, layers), jnp.nan, BF16)
+  slots = np.arange(blocks * 16, dtype=np.int32)
+  k, v = (jnp.asarray(rng.standard_normal((len(slots), 2, 64)), BF16) for _ in range(2))
+  cache = kvjax.write_kv(cache, k, v, jnp.asarray(slots), spec, impl="reference", layer=layer)
+  q = jnp.asarray(rng.standard_normal((2, 8, 64)), BF16)
+  meta = dict(seq_lens=jnp.asarray(lens, jnp.int32), block_table=jnp.asarray(bt))
+  out = jax.jit(lambda q, c, li: paged_decode_attention(
+      q, c, spec, scale=0.125, interpret=not COMPILED, layer=li, finish=finish,
+      num_splits=1 if finish else 2, **meta))(q, cache, jnp.int32(layer))
+  want = kvjax.unified_attention(q, cache, spec, scale=0.125, impl="reference", layer=layer,
+                                 query_start_loc=jnp.arange(3, dtype=jnp.int32), **meta)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                             atol=2e-2, rtol=2e-2)
+
+
+@mosaic_gpu_numerics
 @pytest.mark.parametrize("cache_dtype,layout,h,group,head_size,block_size,lens,kw",
                          NUMERICS_CASES)
 def test_kernel_matches_reference(rng, cache_dtype, layout, h, group, head_size, block_size,

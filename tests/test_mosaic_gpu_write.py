@@ -32,3 +32,21 @@ def test_rows_land_at_their_slots_and_nowhere_else(rng, cache_dtype, layout, h, 
                 donate_argnums=0)(jnp.copy(cache), k, v, jnp.asarray(slots))
   np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
   assert (np.asarray(got).view(np.uint8) != np.asarray(cache).view(np.uint8)).any()
+
+
+@mosaic_gpu_numerics
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_layered_cache_rows_land_in_their_layer_only(rng, layout):
+  spec = kvjax.KVCacheSpec(2, 64, 16, "bfloat16", layout=layout, dtype=jnp.bfloat16)
+  blocks, layers, layer, t = 4, 3, 1, 6
+  shape = spec.physical_shape(blocks, layers)
+  raw = rng.integers(0, 256, int(np.prod(shape)) * 2, dtype=np.uint8)
+  cache = jnp.asarray(raw.view(spec.storage_dtype).reshape(shape))
+  slots = rng.permutation(blocks * 16)[:t].astype(np.int32)
+  slots[3] = -1
+  k, v = (jnp.asarray(rng.standard_normal((t, 2, 64)), jnp.bfloat16) for _ in range(2))
+  want = kvjax.write_kv(cache, k, v, jnp.asarray(slots), spec, impl="reference", layer=layer)
+  got = jax.jit(lambda c, k, v, s, li: write_rows(c, k, v, s, spec, interpret=not COMPILED,
+                                                   layer=li), donate_argnums=0)(
+      jnp.copy(cache), k, v, jnp.asarray(slots), jnp.int32(layer))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))

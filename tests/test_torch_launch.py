@@ -128,10 +128,8 @@ def test_facade_says_which_path_a_call_takes(rng):
   assert backend.last_path.startswith("jax: tensors on cpu")
   assert "decode steps only" in backend.direct_reason(
       "cuda", _decode_metadata("cpu", [5, 17], 2, 8, rng, [2, 1]))
-  assert "layered" in backend.direct_reason("cuda", md, layer=0)
   backend.do_kv_cache_update(q[:, :2], q[:, 2:4], cache, md.slot_mapping)
   assert backend.last_write_path.startswith("jax: tensors on cpu")
-  assert "layered" in backend.direct_write_reason("cuda", layer=0)
   off = tb.PagedAttentionBackend(8, 2, 64, 16, "bfloat16", direct_launch=False)
   assert off.direct_reason("cuda", md) == "direct_launch=False"
   ref = tb.PagedAttentionBackend(8, 2, 64, 16, "bfloat16", impl="reference")
@@ -199,6 +197,44 @@ def test_launch_equals_reference(rng, cache_dtype, layout, h, g, d, n, lens, wid
   no_keys = (seq_of_row >= len(lens)) | (np.asarray(lens + [0])[seq_of_row] == 0)
   assert no_keys[-1] and not got[no_keys].any()
   np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
+
+
+@requires_launch
+@pytest.mark.parametrize("layout,cache_dtype", [("NHD", "bfloat16"), ("HND", "fp8")])
+def test_layered_cache_launches_every_layer(rng, layout, cache_dtype):
+  """A layered (cross-layer) cache: writes and decode attention of each layer launched from
+  torch (the layer an operand of one program), equal to the reference over that layer; the
+  other layers' bytes untouched by a layer's write."""
+  h, g, d, n, layers, num_blocks = 2, 4, 128, 16, 3, 24
+  backend = tb.PagedAttentionBackend(h * g, h, d, n, cache_dtype, layout)
+  spec = backend.spec
+  cache = backend.allocate_kv_cache(num_blocks, device="cuda", num_layers=layers)
+  poison(rng, cache, spec)
+  scales = (0.5, 0.25) if spec.format.has_tensor_scales else (None, None)
+  md = _decode_metadata("cuda", [70, 5, 200], 16, num_blocks, rng)
+  slots = torch.arange(num_blocks * n, device="cuda")
+  for layer in range(layers):
+    before = cache_array(cache, spec)
+    key, value = (rand_bf16(rng, (num_blocks * n, h, d), "cuda") for _ in range(2))
+    backend.do_kv_cache_update(key, value, cache, slots, *scales, layer=layer)
+    assert backend.last_write_path == "mosaic_gpu write launched from torch"
+    after = np.asarray(cache_array(cache, spec)).view(np.uint8)
+    others = [i for i in range(layers) if i != layer]
+    axis = spec.layer_axis
+    np.testing.assert_array_equal(np.take(after, others, axis=axis),
+                                  np.take(np.asarray(before).view(np.uint8), others, axis=axis))
+    q = rand_bf16(rng, (3, h * g, d), "cuda")
+    out = torch.full_like(q, float("nan"))
+    backend.forward(q, cache, md, out, *scales, layer=layer)
+    assert backend.last_path == "mosaic_gpu decode launched from torch"
+    js = [None if x is None else jnp.float32(x) for x in scales]
+    meta = {k: on_cpu(getattr(md, k).cpu().numpy())
+            for k in ("query_start_loc", "seq_lens", "block_table")}
+    want = np.asarray(jax.jit(lambda q, c: kvjax.unified_attention(
+        q, c, spec, scale=d ** -0.5, k_scale=js[0], v_scale=js[1], impl="reference",
+        layer=layer, **meta))(to_jnp(q), cache_array(cache, spec)), np.float32)
+    np.testing.assert_allclose(out.float().cpu().numpy(), want,
+                               atol=2e-2 * np.abs(want).max(), rtol=2e-2)
 
 
 @requires_launch

@@ -332,9 +332,9 @@ class PagedAttentionBackend:
     num_slots = entry.num_blocks * self.spec.block_size
     slots_t = self._slots(slot_mapping, num_slots, key.shape[0])
     ks, vs = self._scales(cx, k_scale, v_scale)
-    launch = self._launches.write(key.device, layer)
+    launch = self._launches.write(key.device)
     if not isinstance(launch, str):
-      launch(key, value, entry.phys, slots_t, ks, vs)
+      launch(key, value, entry.phys, slots_t, ks, vs, layer)
       self.last_write_path = WRITE_PATH
       return None
     self.last_write_path = f"jax: {launch}"
@@ -387,9 +387,9 @@ class PagedAttentionBackend:
     q = cx.stage(q)                      # CUDA: contiguous before the fence
     metadata.check_values(t, entry.num_blocks, self.spec.block_size, self.check_cuda_inputs)
     ks, vs = self._scales(cx, k_scale, v_scale)
-    launch = self._launches.decode(q.device, metadata.max_query_len, layer)
+    launch = self._launches.decode(q.device, metadata.max_query_len)
     if not isinstance(launch, str):   # the metadata as it is (int32, contiguous): no padding
-      launch(q, entry.phys, *metadata.int32_tensors(), out, ks, vs)
+      launch(q, entry.phys, *metadata.int32_tensors(), out, ks, vs, layer)
       self.last_path = DECODE_PATH
       return output
     self.last_path = f"jax: {launch}"
@@ -429,17 +429,16 @@ class PagedAttentionBackend:
     cx.publish(res, stream)
     return output
 
-  def direct_reason(self, device, metadata: PagedAttentionMetadata,
-                    layer: Optional[int] = None) -> Optional[str]:
-    """None when ``forward`` on ``device`` with ``metadata`` (and ``layer``) launches the
-    Mosaic GPU decode kernel from torch, else why it goes through JAX."""
-    got = self._launches.decode(device, metadata.max_query_len, layer)
+  def direct_reason(self, device, metadata: PagedAttentionMetadata) -> Optional[str]:
+    """None when ``forward`` on ``device`` with ``metadata`` launches the Mosaic GPU decode
+    kernel from torch (one layer's cache or a layered one), else why it goes through JAX."""
+    got = self._launches.decode(device, metadata.max_query_len)
     return got if isinstance(got, str) else None
 
-  def direct_write_reason(self, device, layer: Optional[int] = None) -> Optional[str]:
-    """None when ``do_kv_cache_update`` on ``device`` (and ``layer``) launches the Mosaic
-    GPU row-store kernel from torch, else why it goes through JAX."""
-    got = self._launches.write(device, layer)
+  def direct_write_reason(self, device) -> Optional[str]:
+    """None when ``do_kv_cache_update`` on ``device`` launches the Mosaic GPU row-store
+    kernel from torch, else why it goes through JAX."""
+    got = self._launches.write(device)
     return got if isinstance(got, str) else None
 
   def clear_cached_views(self):

@@ -31,18 +31,16 @@ class TorchLaunches:
     self._decode = {}          # device -> TorchDecode, or the reason
     self._write = {}           # device -> TorchWrite, or the reason
 
-  def _common(self, layer) -> Optional[str]:
+  def _common(self) -> Optional[str]:
     if not self.enabled:
       return "direct_launch=False"
     if self.impl == "reference":
       return "impl='reference'"
-    if layer is not None:
-      return "a layered cache (its layer slice is not contiguous)"
     return None
 
-  def decode(self, device, max_query_len: int, layer=None):
+  def decode(self, device, max_query_len: int):
     """The decode launcher for a ``forward`` on ``device``, or why there is none (str)."""
-    why = self._common(layer)
+    why = self._common()
     if why is not None:
       return why
     if max_query_len > 1:
@@ -56,9 +54,9 @@ class TorchLaunches:
           or MDT.TorchDecode(self.spec, self.num_heads, *self.options))
     return got
 
-  def write(self, device, layer=None):
+  def write(self, device):
     """The write launcher for a ``do_kv_cache_update`` on ``device``, or why there is none."""
-    why = self._common(layer)
+    why = self._common()
     if why is not None:
       return why
     device = torch.device(device)

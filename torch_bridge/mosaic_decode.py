@@ -17,7 +17,6 @@ kept per instance.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Optional
 
@@ -93,21 +92,22 @@ class TorchDecode:
     self._consts = {}
 
   # -- compiled shapes -----------------------------------------------------------------------
-  def _statics(self, q_dtype, rows, num_seqs, max_blocks, num_blocks, device):
+  def _statics(self, q_dtype, rows, num_seqs, max_blocks, num_blocks, layered, device):
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     steps = -(-max_blocks * self.spec.block_size // DG.DecodeGeometry.block_kv)
     h = self.spec.num_kv_heads
     splits = min(DG.num_splits_for(rows, h, steps, sms), max(1, steps // MIN_STEPS_PER_SPLIT))
     return MD.decode_statics(self.spec, q_dtype, rows, self.num_heads, num_seqs, max_blocks,
                              num_blocks, sliding_window=self.window, soft_cap=self.soft_cap,
-                             sinks=self.sinks is not None, num_splits=splits)
+                             sinks=self.sinks is not None, num_splits=splits, layered=layered)
 
-  def _compile(self, q, num_seqs, max_blocks, num_blocks) -> _Compiled:
+  def _compile(self, q, num_seqs, max_blocks, cache_shape) -> _Compiled:
     from pallas_kernels.mosaic_gpu import decode_kernel as DK   # noqa: PLC0415
     spec, device = self.spec, q.device
     q_np = dtypes.numpy_dtype(q.dtype)
     rows, hq, d = q.shape
-    st = self._statics(q_np, rows, num_seqs, max_blocks, num_blocks, device)
+    layered = len(cache_shape) == 5
+    st = self._statics(q_np, rows, num_seqs, max_blocks, cache_shape[0], layered, device)
     hq_pad = MD.padded_heads(hq, st.geo)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)     # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)   # noqa: E731
@@ -118,14 +118,18 @@ class TorchDecode:
       if st.sinks:
         structs.append(f32(hq_pad))
     structs += [jax.ShapeDtypeStruct((rows, hq_pad, d), st.ops.compute),
-                jax.ShapeDtypeStruct(spec.physical_shape(num_blocks), spec.storage_dtype)]
-    if st.finish:
-      def fn(qsl, sl, bt, fac, vfac, *rest):
-        sinks = rest[0] if st.sinks else None
-        return DK.decode_call(qsl, sl, bt, fac, *rest[-2:], st=st, v_factors=vfac,
-                              sinks=sinks, out_dtype=q_np)
-    else:
-      fn = functools.partial(DK.decode_call, st=st)
+                jax.ShapeDtypeStruct(cache_shape, spec.storage_dtype)]
+    if layered:
+      structs.append(i32(1))
+
+    def fn(qsl, sl, bt, fac, *rest):      # the kernel's operands, in decode_call's order
+      rest = list(rest)
+      layer = rest.pop() if layered else None
+      q_op, cache = rest[-2:]
+      if not st.finish:
+        return DK.decode_call(qsl, sl, bt, fac, q_op, cache, st=st, layer=layer)
+      return DK.decode_call(qsl, sl, bt, fac, q_op, cache, st=st, v_factors=rest[0],
+                            sinks=rest[1] if st.sinks else None, out_dtype=q_np, layer=layer)
     launch = ML.TorchLaunch(ML.kernel_module(fn, *structs), device)
     own_q = hq_pad != hq or np.dtype(st.ops.compute) != q_np
     q_buf = (torch.zeros((rows, hq_pad, d), dtype=dtypes.torch_dtype(st.ops.compute),
@@ -136,11 +140,11 @@ class TorchDecode:
                        for shape, _ in launch.module.outputs)
     return _Compiled(launch, st, hq_pad, q_buf, partials, None)
 
-  def _entry(self, q, num_seqs, max_blocks, num_blocks) -> _Compiled:
-    key = (tuple(q.shape), q.dtype, q.device, num_seqs, max_blocks, num_blocks)
+  def _entry(self, q, num_seqs, max_blocks, cache_shape) -> _Compiled:
+    key = (tuple(q.shape), q.dtype, q.device, num_seqs, max_blocks, cache_shape)
     entry = self._compiled.get(key)
     if entry is None:
-      entry = self._compiled[key] = self._compile(q, num_seqs, max_blocks, num_blocks)
+      entry = self._compiled[key] = self._compile(q, num_seqs, max_blocks, cache_shape)
     return entry
 
   # -- per-call inputs -----------------------------------------------------------------------
@@ -184,10 +188,11 @@ class TorchDecode:
 
   # -- the call ------------------------------------------------------------------------------
   def __call__(self, q, cache, query_start_loc, seq_lens, block_table, out, k_scale=None,
-               v_scale=None):
+               v_scale=None, layer=None):
     """Attention of decode rows ``q`` ``[R, Hq, D]`` over ``cache``, into ``out``.
 
-    cache: the physical 4-D torch tensor (storage dtype or uint8 for fp8); query_start_loc
+    cache: the physical torch tensor (storage dtype or uint8 for fp8): one layer's (4-D), or
+    layered (5-D) with ``layer`` (a Python int) the layer attended over; query_start_loc
     int32 ``[S+1]`` (a sequence has at most one row), seq_lens int32 ``[S]``, block_table
     int32 ``[S, M]``, all contiguous on q's device; out ``[R, Hq, D]`` of q's dtype; k_scale,
     v_scale: None, floats or float32 tensors (fp8 caches). Returns ``out``.
@@ -195,8 +200,7 @@ class TorchDecode:
     if q.shape[0] == 0:
       return out
     num_seqs, max_blocks = block_table.shape
-    num_blocks = cache.shape[0]
-    entry = self._entry(q, num_seqs, max_blocks, num_blocks)
+    entry = self._entry(q, num_seqs, max_blocks, tuple(cache.shape))
     st, device = entry.st, q.device
     cache = cache.view(dtypes.torch_dtype(self.spec.storage_dtype))   # uint8 fp8 -> fp8
     qk = self._q_operand(entry, q)
@@ -205,14 +209,21 @@ class TorchDecode:
     if st.finish:
       dst = out if out.is_contiguous() else self._out_buffer(entry, out)
       sinks = (self._sink_columns(device, entry.heads_padded),) if st.sinks else ()
-      entry.launch.launch(*meta, fac, vfac, *sinks, qk, cache, dst)
+      entry.launch.launch(*meta, fac, vfac, *sinks, qk, cache, *self._layer(device, layer), dst)
       if dst is not out:
         out.copy_(dst)
       return out
     acc, ml = entry.partials
-    entry.launch.launch(*meta, fac, qk, cache, acc, ml)
+    entry.launch.launch(*meta, fac, qk, cache, *self._layer(device, layer), acc, ml)
     self._merge(entry, acc, ml, vfac, out)
     return out
+
+  def _layer(self, device, layer):
+    """``()`` for one layer's cache, else the layer as an int32 ``[1]`` tensor (kept)."""
+    if layer is None:
+      return ()
+    return (self._const(("layer", device, layer),
+                        lambda: torch.tensor([layer], dtype=torch.int32, device=device)),)
 
   def _out_buffer(self, entry: _Compiled, out):
     if entry.out_buf is None:

@@ -49,19 +49,24 @@ class TorchWrite:
     self._fp8 = adapters.stores_fp8(spec.codec)
     self._storage = dtypes.torch_dtype(spec.storage_dtype)
     self._compiled = {}
+    self._layers = {}        # (device, layer) -> the layer as an int32 [1] tensor
 
-  def _launch(self, tokens: int, num_blocks: int, device) -> ML.TorchLaunch:
-    key = (tokens, num_blocks, device)
+  def _launch(self, tokens: int, cache_shape: tuple, device) -> ML.TorchLaunch:
+    key = (tokens, cache_shape, device)
     launch = self._compiled.get(key)
     if launch is None:
       from pallas_kernels.mosaic_gpu.write import write_rows   # noqa: PLC0415
       spec = self.spec
       rows = jax.ShapeDtypeStruct((tokens, spec.num_kv_heads, spec.head_size),
                                   spec.storage_dtype)
-      structs = (jax.ShapeDtypeStruct((tokens,), jnp.int32), rows, rows,
-                 jax.ShapeDtypeStruct(spec.physical_shape(num_blocks), spec.storage_dtype))
-      module = ML.kernel_module(lambda s, k, v, c: write_rows(c, k, v, s, spec), *structs)
-      launch = self._compiled[key] = ML.TorchLaunch(module, device)
+      structs = [jax.ShapeDtypeStruct((tokens,), jnp.int32), rows, rows,
+                 jax.ShapeDtypeStruct(cache_shape, spec.storage_dtype)]
+      if len(cache_shape) == 5:                # layered: the layer is an operand
+        structs.append(jax.ShapeDtypeStruct((1,), jnp.int32))
+        fn = lambda s, k, v, c, li: write_rows(c, k, v, s, spec, layer=li)   # noqa: E731
+      else:
+        fn = lambda s, k, v, c: write_rows(c, k, v, s, spec)                 # noqa: E731
+      launch = self._compiled[key] = ML.TorchLaunch(ML.kernel_module(fn, *structs), device)
     return launch
 
   def _quantized(self, x, scale):
@@ -76,11 +81,13 @@ class TorchWrite:
     m = float(quant.finite_max(self.spec.storage_dtype))
     return y.clamp_(-m, m).to(self._storage)
 
-  def __call__(self, key, value, cache, slots, k_scale=None, v_scale=None) -> None:
+  def __call__(self, key, value, cache, slots, k_scale=None, v_scale=None,
+               layer=None) -> None:
     """Store ``key`` / ``value`` ``[T, H, D]`` (the model dtype, contiguous) at ``slots``
     (int32 ``[T]``, contiguous; outside ``[0, B * N)``: skipped) of ``cache`` (the physical
-    4-D torch tensor; uint8 for fp8 is fine), in place. k_scale, v_scale: None, floats or
-    float32 tensors of one scale or one per KV head (fp8)."""
+    torch tensor, uint8 for fp8 is fine: one layer's, or layered with ``layer`` a Python
+    int), in place. k_scale, v_scale: None, floats or float32 tensors of one scale or one
+    per KV head (fp8)."""
     if key.shape[0] == 0:
       return
     if self._fp8:
@@ -88,5 +95,11 @@ class TorchWrite:
     elif key.dtype != self._storage:                  # a plain cache of another 16-bit dtype
       key, value = key.to(self._storage), value.to(self._storage)
     cache = cache.view(self._storage)
-    self._launch(key.shape[0], cache.shape[0], key.device).launch(slots, key, value, cache,
-                                                                  cache)
+    ids = ()
+    if layer is not None:
+      ids = self._layers.get((key.device, layer))
+      if ids is None:
+        ids = self._layers[(key.device, layer)] = (
+            torch.tensor([layer], dtype=torch.int32, device=key.device),)
+    self._launch(key.shape[0], tuple(cache.shape), key.device).launch(
+        slots, key, value, cache, *ids, cache)

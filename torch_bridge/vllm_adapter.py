@@ -127,7 +127,7 @@ class KVJaxAttentionMetadataBuilder:
 
   CUDA graphs: :meth:`get_cudagraph_support` says UNIFORM_SINGLE_TOKEN_DECODE where
   :func:`graph_capture_reason` finds the decode step launched from torch (a Hopper GPU,
-  bf16 / f16 / fp8 per-tensor caches, a one-layer cache): vLLM then captures pure decode
+  bf16 / f16 / fp8 per-tensor caches): vLLM then captures pure decode
   steps whole (FULL) and runs other steps' attention eagerly between graph pieces
   (PIECEWISE); elsewhere NEVER.
   """

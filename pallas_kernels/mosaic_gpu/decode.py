@@ -46,14 +46,16 @@ def decode_statics(spec: KVCacheSpec, q_dtype, num_rows: int, num_heads: int,
                    num_seqs: int, max_blocks: int, num_blocks: int, *, sliding_window=None,
                    soft_cap=None, sinks: bool = False, interpret: bool = False,
                    geometry=None, num_splits: Optional[int] = None,
-                   finish: Optional[bool] = None, num_sms: Optional[int] = None):
+                   finish: Optional[bool] = None, num_sms: Optional[int] = None,
+                   layered: bool = False):
   """The kernel's statics (:class:`.decode_kernel.DecodeStatics`) for one call shape.
 
   num_rows: query rows; num_heads: Hq; num_seqs: S, sequences; max_blocks: the block
   table's width; num_blocks: the cache's. num_splits None: one with ``finish=True``, else
   :func:`.decode_geometry.num_splits_for` (on ``num_sms`` SMs, None: this process's GPU).
-  finish None: the kernel writes the output itself when it runs one split. Raises
-  ValueError when the kernel cannot take the call.
+  finish None: the kernel writes the output itself when it runs one split. layered: the
+  cache is a layered (5-D) array, the layer an operand. Raises ValueError when the kernel
+  cannot take the call.
   """
   from pallas_kernels.mosaic_gpu import decode_kernel as DK   # noqa: PLC0415
   h = spec.num_kv_heads
@@ -76,7 +78,8 @@ def decode_statics(spec: KVCacheSpec, q_dtype, num_rows: int, num_heads: int,
       num_seqs=num_seqs, max_blocks=max_blocks, num_splits=splits,
       window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), interpret=bool(interpret),
-      finish=finish, sinks=bool(sinks) and finish)
+      finish=finish, sinks=bool(sinks) and finish,
+      layer_axis=spec.layer_axis if layered else None)
 
 
 def padded_heads(num_heads: int, geo) -> int:
@@ -97,7 +100,7 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
                            sliding_window=None, soft_cap=None, sinks=None, k_scale=None,
                            v_scale=None, query_start_loc=None, interpret: bool = False,
                            geometry=None, num_splits: Optional[int] = None,
-                           finish: Optional[bool] = None):
+                           finish: Optional[bool] = None, layer=None):
   """Decode attention over the packed paged cache with the Mosaic GPU kernel.
 
   Args:
@@ -112,6 +115,8 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
       :func:`.decode_geometry.num_splits_for`; both for benchmark sweeps. finish: whether
       the kernel writes the output (one split only); None: when it runs one split, else
       the partials are merged in XLA.
+    layer: None for one layer's cache; for a layered (5-D) cache, the layer attended over
+      (an int or a traced int32 scalar: every layer runs one program).
   Returns:
     ``[S, Hq, D]`` in q's dtype.
   """
@@ -121,8 +126,12 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   g = hq // h
   max_blocks = block_table.shape[1]
   num_seqs = seq_lens.shape[0]
-  st = decode_statics(spec, q.dtype, num_rows, hq, num_seqs, max_blocks,
-                      spec.num_blocks_of(cache),
+  num_blocks, num_layers = spec.blocks_and_layers(cache)
+  if (layer is None) != (num_layers is None):
+    raise ValueError(f"layer={layer!r} with a cache of shape {tuple(cache.shape)}: pass layer "
+                     "for a layered cache, and only then")
+  st = decode_statics(spec, q.dtype, num_rows, hq, num_seqs, max_blocks, num_blocks,
+                      layered=layer is not None,
                       sliding_window=sliding_window, soft_cap=soft_cap,
                       sinks=sinks is not None, interpret=interpret, geometry=geometry,
                       num_splits=num_splits, finish=finish)
@@ -137,11 +146,13 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   hq_pad = padded_heads(hq, geo)
   if hq_pad != hq:
     qk = jnp.pad(qk, ((0, 0), (0, hq_pad - hq), (0, 0)))
+  if layer is not None:
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
   if st.finish:
-    return DK.decode_call(*meta, factors, qk, cache, st=st, v_factors=scales[1],
+    return DK.decode_call(*meta, factors, qk, cache, st=st, v_factors=scales[1], layer=layer,
                           sinks=None if sinks is None else sink_columns(sinks, hq_pad),
                           out_dtype=q.dtype)
-  acc, ml = DK.decode_call(*meta, factors, qk, cache, st=st)
+  acc, ml = DK.decode_call(*meta, factors, qk, cache, st=st, layer=layer)
   # Head h's queries are columns col_offset(h) + [0, G) of the partials.
   cols = np.asarray([[geo.col_offset(i) + j for j in range(g)] for i in range(h)], np.int32)
   acc = jnp.take_along_axis(acc, cols[None, :, None, None, :], axis=-1)   # [S, H, P, D, G]

@@ -76,6 +76,8 @@ class DecodeStatics:
   interpret: bool = False     # Mosaic GPU interpret mode (CPU, jax >= 0.11)
   finish: bool = False        # the block writes normalized output rows (one split only)
   sinks: bool = False         # finish: the running max and sum start at the sinks
+  layer_axis: Optional[int] = None   # a layered (5-D) cache: its layer dim; the layer is read
+                                     # from an int32 [1] operand (one program for every layer)
 
   def __post_init__(self):
     if self.finish and self.num_splits != 1:
@@ -90,13 +92,15 @@ class DecodeStatics:
     return self.max_blocks * self.geo.block_size
 
 
-def _kv_box(cache_ref, st: DecodeStatics, blk, h, off, n, side):
-  """``(n, D)`` GMEM box of K (side 0) or V (side 1) of head h, tokens off..off+n of page blk."""
+def _kv_box(cache_ref, st: DecodeStatics, blk, h, off, n, side, layer=None):
+  """``(n, D)`` GMEM box of K (side 0) or V (side 1) of head h, tokens off..off+n of page blk
+  (of ``layer`` in a layered cache)."""
   d = st.geo.head_size
   cols = pl.ds(side * d, d)
-  if st.layout == "NHD":
-    return cache_ref.at[blk, pl.ds(off, n), h, cols]
-  return cache_ref.at[blk, h, pl.ds(off, n), cols]
+  index = [blk, pl.ds(off, n), h, cols] if st.layout == "NHD" else [blk, h, pl.ds(off, n), cols]
+  if st.layer_axis is not None:
+    index.insert(st.layer_axis, layer)
+  return cache_ref.at[tuple(index)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,7 @@ class _Refs:
   fac: object
   q: object
   cache: object
+  layer: object = None
   vfac: object = None
   sinks: object = None
   acc: object = None
@@ -221,6 +226,7 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
   @pl.when(wg == 1)
   def _producer():
     piece = geo.piece
+    layer = None if st.layer_axis is None else refs.layer[0]
 
     def block_ids(i):
       """The block of each piece of step i, all loaded before any copy is issued (the
@@ -237,7 +243,7 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
       land = k_land if side == 0 else v_land
       for p, blk in enumerate(ids):
         off = lax.rem((start + i) * t_keys + p * piece, geo.block_size)
-        src = _kv_box(cache_ref, st, blk, h, off, piece, side)
+        src = _kv_box(cache_ref, st, blk, h, off, piece, side, layer)
         plgpu.copy_gmem_to_smem(src, land.at[slot, pl.ds(p * piece, piece)], bars.at[slot])
 
     for i in range(geo.stages):
@@ -327,7 +333,7 @@ def _write_rows(refs: _Refs, acc, l, rows, c0, ot_smem, out_smem, p_smem, st: De
 
 
 def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, *,
-                st: DecodeStatics, v_factors=None, sinks=None, out_dtype=None):
+                st: DecodeStatics, v_factors=None, sinks=None, out_dtype=None, layer=None):
   """Launch the kernel: one CUDA block per (KV head, query row, split).
 
   query_start_loc: int32 ``[S+1]`` (each sequence has at most one query row: a decode
@@ -335,7 +341,8 @@ def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, 
   block_table_flat: int32 ``[S * max_blocks]`` (row s: that sequence's block ids); factors:
   float32 ``[H]``, softmax scale x K scale x log2(e) per KV head; q: ``[R, Hq', D]`` query
   rows in the compute dtype (Hq' >= Hq: :func:`.decode.padded_heads`); cache: the physical
-  cache. Rows of no sequence read no key.
+  cache (layered with ``st.layer_axis``: then layer, int32 ``[1]``, the layer read). Rows of
+  no sequence read no key.
 
   Partials (``st.finish`` False): returns the unnormalized partials, one per split: acc
   float32 ``[R, H, splits, D, 16]`` (transposed: columns are query columns), and float32
@@ -373,15 +380,18 @@ def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, 
   kv_bars = plgpu.Barrier(num_arrivals=geo.pieces_per_step, num_barriers=geo.stages)
   free_bars = plgpu.Barrier(num_arrivals=1, num_barriers=geo.stages)
   f32 = jnp.float32
+  layered = st.layer_axis is not None
+  tail_names = ("q", "cache") + (("layer",) if layered else ())
+  tail = (q, cache) + ((layer,) if layered else ())
   if st.finish:
     names = ("qsl", "lens", "bt", "fac", "vfac") + (("sinks",) if st.sinks else ()) + (
-        "q", "cache", "out")
+        tail_names + ("out",))
     args = (query_start_loc, seq_lens, block_table_flat, factors, v_factors) + (
-        (sinks,) if st.sinks else ()) + (q, cache)
+        (sinks,) if st.sinks else ()) + tail
     out_type = jax.ShapeDtypeStruct((num_rows, h * geo.group, d), out_dtype)
   else:
-    names = ("qsl", "lens", "bt", "fac", "q", "cache", "acc", "ml")
-    args = (query_start_loc, seq_lens, block_table_flat, factors, q, cache)
+    names = ("qsl", "lens", "bt", "fac") + tail_names + ("acc", "ml")
+    args = (query_start_loc, seq_lens, block_table_flat, factors) + tail
     out_type = (jax.ShapeDtypeStruct((num_rows, h, parts, d, ncol), f32),
                 jax.ShapeDtypeStruct((num_rows, h, parts, 2, ncol), f32))
 
