@@ -126,8 +126,10 @@ def test_facade_says_which_path_a_call_takes(rng):
   out = torch.empty_like(q)
   backend.forward(q, cache, md, out)
   assert backend.last_path.startswith("jax: tensors on cpu")
-  assert "decode steps only" in backend.direct_reason(
+  assert "Triton kernels (through JAX) are faster" in backend.direct_reason(
       "cuda", _decode_metadata("cpu", [5, 17], 2, 8, rng, [2, 1]))
+  prefill = _decode_metadata("cpu", [200, 17], 2, 8, rng, [150, 1])
+  assert "layered" in backend.direct_reason("cuda", prefill, layered=True)
   backend.do_kv_cache_update(q[:, :2], q[:, 2:4], cache, md.slot_mapping)
   assert backend.last_write_path.startswith("jax: tensors on cpu")
   off = tb.PagedAttentionBackend(8, 2, 64, 16, "bfloat16", direct_launch=False)
@@ -154,6 +156,11 @@ LAUNCH_CASES = [
     ("float16", "NHD", 2, 7, 64, 16, [33, 2], 4, {}),
     # block tables of >= 2 * MIN_STEPS_PER_SPLIT key steps: split partials merged in torch
     ("bfloat16", "NHD", 2, 4, 128, 16, [4000, 3, 2500], 256, dict(sinks=True)),
+    # prefills of >= 128 tokens (with decodes): the ragged kernel
+    ("bfloat16", "NHD", 2, 4, 128, 16, [300, 40, 129], 24,
+     dict(query_counts=[200, 1, 129], sinks=True)),
+    ("float16", "HND", 4, 2, 64, 32, [700, 5], 24,
+     dict(query_counts=[128, 1], sliding_window=100, soft_cap=30.0)),
 ]
 
 
@@ -186,7 +193,8 @@ def test_launch_equals_reference(rng, cache_dtype, layout, h, g, d, n, lens, wid
   assert backend.direct_reason("cuda", md) is None
   ks = torch.tensor([scales[0]], device="cuda") if scales[0] else None
   backend.forward(q, cache, md, out, k_scale=ks, v_scale=scales[1])
-  assert backend.last_path == "mosaic_gpu decode launched from torch"
+  kind = "decode" if max(counts) <= 1 else "ragged"
+  assert backend.last_path == f"mosaic_gpu {kind} launched from torch"
   js = [None if s is None else jnp.float32(s) for s in scales]
   want = _reference(to_jnp(q), cache_array(cache, spec), spec, md, *js,
                     scale=d ** -0.5, **opts)
@@ -387,3 +395,22 @@ def test_adapter_decode_step_captured_as_vllm_captures_it(rng, cache_dtype):
                     scale=d ** -0.5)
   np.testing.assert_allclose(outs[0][:real].float().cpu().numpy(), want[:real],
                              atol=2e-2 * np.abs(want).max(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("bq", [16, 64])
+def test_torch_tile_schedule_equals_the_kernels(rng, bq):
+  """The ragged kernel's per-tile metadata made by torch ops (the launch path) equals the one
+  the JAX entry makes, on random ragged batches (zero-length sequences, padding tokens)."""
+  from pallas_kernels.mosaic_gpu import tiles as TL
+  from torch_bridge import mosaic_ragged as MRT
+  for _ in range(20):
+    s = int(rng.integers(1, 9))
+    q_lens = rng.integers(0, 3 * bq, s) * (rng.random(s) < 0.8)
+    t = int(q_lens.sum() + rng.integers(0, 5))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = (q_lens + rng.integers(0, 500, s)).astype(np.int32)
+    num_tiles = TL.num_tiles_bound(t, s, bq)
+    want = TL.tile_metadata(jnp.asarray(qsl), jnp.asarray(lens), 7, t, num_tiles, bq)
+    got = MRT.tile_metadata(torch.from_numpy(qsl), torch.from_numpy(lens), 7, t, num_tiles, bq,
+                            torch.arange(num_tiles, dtype=torch.int32))
+    np.testing.assert_array_equal(got.numpy(), np.asarray(want))

@@ -81,10 +81,10 @@ def test_facade_on_each_layer_of_a_layered_cache(rng, device, cache_dtype, layou
     assert np.abs(ref[:-1]).max() > 0.05
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=2e-2, atol=2e-2)
     # the jitted functions are shared by backends of one config: count what this test adds,
-    # and the kernels launched from torch (CUDA, Hopper: the write)
-    launched = [len(x._compiled) for x in (backend._launches._write.get(torch.device(device)),
-                                           backend._launches._decode.get(torch.device(device)))
-                if x is not None and not isinstance(x, str)]
+    # and the kernels launched from torch (CUDA, Hopper: the write; attention here has
+    # 4-token queries, which go through JAX)
+    write = backend._launches._write.get(cache.device)      # a TorchWrite, a reason or None
+    launched = [len(write._compiled)] if hasattr(write, "_compiled") else []
     sizes = [f._cache_size() for f in (*backend._write.values(), *backend._attn.values())]
     assert compiled is None or sizes + launched == compiled, "a new layer compiled a program"
     compiled = sizes + launched

@@ -45,7 +45,7 @@ from torch_bridge import jitted
 from torch_bridge import layout as L
 from torch_bridge.kept import (KEEP_CACHES, KEEP_OUTPUT_BYTES, KEEP_OUTPUTS, KeptCache,
                                check_layer, copy_pages_back)
-from torch_bridge.launches import DECODE_PATH, WRITE_PATH, TorchLaunches
+from torch_bridge.launches import WRITE_PATH, TorchLaunches
 from torch_bridge.metadata import PagedAttentionMetadata
 
 
@@ -83,8 +83,8 @@ class PagedAttentionBackend:
       result, ordered on torch's stream). Donation is the cheaper of the two
       (benchmarks/RESULTS.md, "Torch facade"). CPU always copies.
     direct_launch: on a Hopper GPU, launch kvjax's Mosaic GPU kernels on torch's current
-      stream for decode steps (``max_query_len <= 1``) and writes of the formats they read
-      (:mod:`torch_bridge.launches`: no JAX dispatch, capturable in CUDA graphs); False:
+      stream for the decode steps, long prefills and writes they read (which:
+      :mod:`torch_bridge.launches`; no JAX dispatch, capturable in CUDA graphs); False:
       every call goes through JAX. :attr:`last_path` / :attr:`last_write_path` say which
       path the last call took, :meth:`direct_reason` / :meth:`direct_write_reason` why a
       call would not take the launch.
@@ -387,10 +387,9 @@ class PagedAttentionBackend:
     q = cx.stage(q)                      # CUDA: contiguous before the fence
     metadata.check_values(t, entry.num_blocks, self.spec.block_size, self.check_cuda_inputs)
     ks, vs = self._scales(cx, k_scale, v_scale)
-    launch = self._launches.decode(q.device, metadata.max_query_len)
+    launch = self._launches.attention(q.device, metadata.max_query_len, layer is not None)
     if not isinstance(launch, str):   # the metadata as it is (int32, contiguous): no padding
-      launch(q, entry.phys, *metadata.int32_tensors(), out, ks, vs, layer)
-      self.last_path = DECODE_PATH
+      self.last_path = launch(q, entry.phys, metadata, out, ks, vs, layer)
       return output
     self.last_path = f"jax: {launch}"
     mql = metadata.padded(t)[3]          # torch work (padding), once per metadata and T
@@ -429,10 +428,11 @@ class PagedAttentionBackend:
     cx.publish(res, stream)
     return output
 
-  def direct_reason(self, device, metadata: PagedAttentionMetadata) -> Optional[str]:
-    """None when ``forward`` on ``device`` with ``metadata`` launches the Mosaic GPU decode
-    kernel from torch (one layer's cache or a layered one), else why it goes through JAX."""
-    got = self._launches.decode(device, metadata.max_query_len)
+  def direct_reason(self, device, metadata: PagedAttentionMetadata,
+                    layered: bool = False) -> Optional[str]:
+    """None when ``forward`` on ``device`` with ``metadata`` (over a layered cache)
+    launches a Mosaic GPU kernel from torch, else why it goes through JAX."""
+    got = self._launches.attention(device, metadata.max_query_len, layered)
     return got if isinstance(got, str) else None
 
   def direct_write_reason(self, device) -> Optional[str]:

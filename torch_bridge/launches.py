@@ -13,6 +13,7 @@ import torch
 
 #: What ``PagedAttentionBackend.last_path`` / ``last_write_path`` say of a launched call.
 DECODE_PATH = "mosaic_gpu decode launched from torch"
+RAGGED_PATH = "mosaic_gpu ragged launched from torch"
 WRITE_PATH = "mosaic_gpu write launched from torch"
 
 
@@ -28,7 +29,8 @@ class TorchLaunches:
     self.spec, self.num_heads, self.dtype = spec, num_heads, dtype
     self.options = (scale, sliding_window, soft_cap, sinks)
     self.enabled, self.impl = enabled, impl
-    self._decode = {}          # device -> TorchDecode, or the reason
+    self._decode = {}          # device -> the decode launch, or the reason
+    self._ragged = {}          # device -> the ragged launch, or the reason
     self._write = {}           # device -> TorchWrite, or the reason
 
   def _common(self) -> Optional[str]:
@@ -38,21 +40,59 @@ class TorchLaunches:
       return "impl='reference'"
     return None
 
-  def decode(self, device, max_query_len: int):
-    """The decode launcher for a ``forward`` on ``device``, or why there is none (str)."""
+  def attention(self, device, max_query_len: int, layered: bool):
+    """A ``forward`` on ``device``: a function ``(q, phys, metadata, out, k_scale, v_scale,
+    layer) -> path`` that launches it, or why there is none (str). Decode steps
+    (``max_query_len <= 1``) take the decode kernel; longer queries of plain caches the
+    ragged kernel, from the length at which ``auto`` takes it in JAX (measured:
+    ``pallas_kernels.mosaic_gpu.tuning.AUTO_MIN_QUERY_LEN``)."""
     why = self._common()
     if why is not None:
       return why
-    if max_query_len > 1:
-      return f"max_query_len={max_query_len}: the launch runs decode steps only"
     device = torch.device(device)
-    got = self._decode.get(device)
+    if max_query_len <= 1:
+      return self._launcher(self._decode, device, self._new_decode)
+    from pallas_kernels.mosaic_gpu import tuning as MT   # noqa: PLC0415
+    if max_query_len < MT.AUTO_MIN_QUERY_LEN:
+      return (f"max_query_len={max_query_len}: below {MT.AUTO_MIN_QUERY_LEN} the Triton "
+              "kernels (through JAX) are faster than the ragged kernel")
+    if layered:
+      return "a layered cache: the ragged kernel reads one layer's cache"
+    return self._launcher(self._ragged, device, self._new_ragged)
+
+  @staticmethod
+  def _launcher(kept: dict, device, make):
+    got = kept.get(device)
     if got is None:
-      from torch_bridge import mosaic_decode as MDT   # noqa: PLC0415
-      got = self._decode[device] = (
-          MDT.platform_reason(device) or MDT.spec_reason(self.spec, self.dtype, self.num_heads)
-          or MDT.TorchDecode(self.spec, self.num_heads, *self.options))
+      got = kept[device] = make(device)
     return got
+
+  def _new_decode(self, device):
+    from torch_bridge import mosaic_decode as MDT   # noqa: PLC0415
+    why = MDT.platform_reason(device) or MDT.spec_reason(self.spec, self.dtype, self.num_heads)
+    if why is not None:
+      return why
+    run = MDT.TorchDecode(self.spec, self.num_heads, *self.options)
+
+    def launch(q, phys, metadata, out, k_scale, v_scale, layer):
+      run(q, phys, *metadata.int32_tensors(), out, k_scale, v_scale, layer)
+      return DECODE_PATH
+    return launch
+
+  def _new_ragged(self, device):
+    from torch_bridge import mosaic_decode as MDT   # noqa: PLC0415
+    from torch_bridge import mosaic_ragged as MRT   # noqa: PLC0415
+    why = MDT.platform_reason(device) or MRT.spec_reason(self.spec, self.dtype,
+                                                          self.num_heads)
+    if why is not None:
+      return why
+    run = MRT.TorchRagged(self.spec, self.num_heads, *self.options)
+
+    def launch(q, phys, metadata, out, k_scale, v_scale, layer):
+      del k_scale, v_scale, layer     # a plain one-layer cache
+      run(q, phys, *metadata.int32_tensors(), out, metadata.max_query_len, metadata.causal)
+      return RAGGED_PATH
+    return launch
 
   def write(self, device):
     """The write launcher for a ``do_kv_cache_update`` on ``device``, or why there is none."""

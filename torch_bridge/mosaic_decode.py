@@ -73,23 +73,9 @@ class _Compiled:
   out_buf: Optional[torch.Tensor]        # the output when the caller's is not contiguous
 
 
-class TorchDecode:
-  """Decode attention of one layer configuration, launched from torch.
-
-  Args:
-    spec: the cache's :class:`kvjax.KVCacheSpec`; num_heads: Hq.
-    scale: softmax scale; sliding_window, soft_cap: as :func:`kvjax.unified_attention`.
-    sinks: float32 numpy ``[Hq]`` sink logits or None.
-  """
-
-  def __init__(self, spec: KVCacheSpec, num_heads: int, scale: float,
-               sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
-               sinks: Optional[np.ndarray] = None):
-    self.spec, self.num_heads, self.scale = spec, num_heads, float(scale)
-    self.window, self.soft_cap = sliding_window, soft_cap
-    self.sinks = None if sinks is None else np.asarray(sinks, np.float32)
-    self._compiled = {}
-    self._consts = {}
+class TorchDecode(ML.AttentionLaunch):
+  """Decode attention of one layer configuration, launched from torch (arguments:
+  :class:`torch_bridge.mosaic_launch.AttentionLaunch`)."""
 
   # -- compiled shapes -----------------------------------------------------------------------
   def _statics(self, q_dtype, rows, num_seqs, max_blocks, num_blocks, layered, device):
@@ -148,12 +134,6 @@ class TorchDecode:
     return entry
 
   # -- per-call inputs -----------------------------------------------------------------------
-  def _const(self, key, make):
-    t = self._consts.get(key)
-    if t is None:
-      t = self._consts[key] = make()
-    return t
-
   def _factors(self, device, k_scale, v_scale):
     """float32 ``[H]``: softmax scale x K scale x log2(e), and the V scale, per KV head.
     Floats / None are kept per value; tensors (one scale, or one per KV head) cost a torch op

@@ -159,3 +159,28 @@ class TorchLaunch:
     compiled, self._compiled = getattr(self, "_compiled", None), None
     if compiled:
       self._unload(compiled)
+
+
+class AttentionLaunch:
+  """What an attention launcher keeps: one layer configuration's options, its compiled
+  kernels (``_compiled``, by shape) and constant tensors (``_const``, by key).
+
+  Args:
+    spec: the cache's :class:`kvjax.KVCacheSpec`; num_heads: Hq.
+    scale: softmax scale; sliding_window, soft_cap: as :func:`kvjax.unified_attention`.
+    sinks: float32 numpy ``[Hq]`` sink logits or None.
+  """
+
+  def __init__(self, spec, num_heads: int, scale: float, sliding_window=None, soft_cap=None,
+               sinks=None):
+    self.spec, self.num_heads, self.scale = spec, num_heads, float(scale)
+    self.window, self.soft_cap = sliding_window, soft_cap
+    self.sinks = None if sinks is None else np.asarray(sinks, np.float32)
+    self._compiled = {}
+    self._consts = {}
+
+  def _const(self, key, make):
+    t = self._consts.get(key)
+    if t is None:
+      t = self._consts[key] = make()
+    return t

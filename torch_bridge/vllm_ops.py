@@ -7,9 +7,10 @@ order) and find the packed tensor behind them: both views must be the K and V ha
 one cache (:func:`packed_cache`); separately allocated K and V caches are refused.
 Each call runs :class:`torch_bridge.PagedAttentionBackend` (kept per configuration), so it
 takes the paths the facade takes: on a Hopper GPU the Mosaic GPU kernels launched on
-torch's current stream (decode attention, bf16 / f16 / fp8-per-tensor writes; capturable
-in CUDA graphs), else kvjax's JAX ops. Decode calls (``max_seqlen_q == 1``) launch the
-kernel on the given metadata as it is (no padding: nothing is computed on the host).
+torch's current stream (decode attention, prefills of 128 tokens or more over bf16 / f16
+caches, bf16 / f16 / fp8-per-tensor writes; capturable in CUDA graphs), else kvjax's JAX
+ops. Launched calls use the given metadata as it is (no padding, nothing computed on the
+host).
 
 What vLLM's functions take and kvjax does not (ALiBi, fp8 queries, output scales, per-seq
 causal flags, prefix ranges, ...) is refused with a ValueError naming the argument.

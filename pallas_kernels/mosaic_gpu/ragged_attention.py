@@ -158,26 +158,47 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
                                               dtype=q.dtype)
   t, hq, d = q.shape
-  h = spec.num_kv_heads
-  if hq % h:
-    raise ValueError(f"q has {hq} heads, not a multiple of num_kv_heads={h}")
   if d != spec.head_size:
     raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
-  group = hq // h
-  pv = TL.default_pv(interpret) if pv is None else pv
-  if pv not in TL.PV_VARIANTS:
-    raise ValueError(f"pv must be one of {TL.PV_VARIANTS} or None, got {pv!r}")
-  reason = spec_reason(spec, q.dtype, group)
-  if reason is not None:
-    raise ValueError(f"Mosaic GPU ragged attention: {reason}")
+  _checked(spec, q.dtype, hq, pv, interpret)
   num_seqs = seq_lens.shape[0]
   if t == 0 or num_seqs == 0:
     return jnp.zeros(q.shape, q.dtype)
-  mql = t if max_query_len is None else int(max_query_len)
+  max_blocks = block_table.shape[1]
+  st = ragged_statics(
+      spec, q.dtype, t, hq, num_seqs, max_blocks, spec.num_blocks_of(cache),
+      scale=static_or_none(scale), causal=causal, sliding_window=sliding_window,
+      soft_cap=soft_cap, sinks=sinks is not None, max_query_len=max_query_len,
+      interpret=interpret, pv=pv, geometry=geometry, ping_pong=ping_pong,
+      num_programs=MT.num_programs(interpret) if num_programs is None else int(num_programs),
+      staging=staging, registers=registers)
+  meta = TL.tile_metadata(query_start_loc, seq_lens, max_blocks, t, st.num_tiles, st.geo.bq)
+  sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
+        else jnp.asarray(sinks, jnp.float32).reshape(hq))
+  traced_scale = None if st.scale is not None else jnp.asarray(scale, jnp.float32).reshape(1)
+  return K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk,
+                                 traced_scale, q, cache, st=st)
+
+
+def ragged_statics(spec: KVCacheSpec, q_dtype, num_tokens: int, num_heads: int,
+                   num_seqs: int, max_blocks: int, num_blocks: int, *, scale=None,
+                   causal=True, sliding_window=None, soft_cap=None, sinks: bool = False,
+                   max_query_len=None, interpret=False, pv=None,
+                   geometry: TL.TileGeometry | None = None, ping_pong: bool = True,
+                   num_programs: int = 0, staging: str | None = None, registers=None):
+  """The ragged kernel's statics (:class:`.kernel_statics.KernelStatics`) for one call
+  shape: T tokens of Hq heads in S sequences over a plain cache of B blocks, block tables
+  of width M; ``scale`` a float (None: the kernel reads it from an operand), the tile from
+  ``max_query_len``'s power-of-two bucket (None: T). Raises ValueError naming what the kernel
+  cannot take."""
+  from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
+  h, d = spec.num_kv_heads, spec.head_size
+  group, pv = _checked(spec, q_dtype, num_heads, pv, interpret)
+  mql = num_tokens if max_query_len is None else int(max_query_len)
   if mql <= 0:
     raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
-  mql = min(sched.next_pow2(mql), sched.next_pow2(t))
-  itemsize = np.dtype(q.dtype).itemsize
+  mql = min(sched.next_pow2(mql), sched.next_pow2(max(num_tokens, 1)))
+  itemsize = np.dtype(q_dtype).itemsize
   geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql, itemsize, pv)
   if staging is None:
     staging = TL.choose_staging(geo, d, itemsize, pv, interpret)
@@ -190,20 +211,25 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                      f"staging={staging!r}; the budget is {TL.SMEM_BUDGET}")
   # q and out move through untiled shared memory: a tile may start at any token, T need not
   # be a multiple of 8 (the kernel's q boxes past T read zeros, its stores stop at T).
-  num_tiles = TL.num_tiles_bound(t, num_seqs, geo.bq)
-  max_blocks = block_table.shape[1]
-  meta = TL.tile_metadata(query_start_loc, seq_lens, max_blocks, t, num_tiles, geo.bq)
-  st = K.KernelStatics(
-      geo=geo, head_size=d, num_kv_heads=h, layout=spec.layout,
-      num_blocks=spec.num_blocks_of(cache), max_blocks=max_blocks, num_tiles=num_tiles,
+  return K.KernelStatics(
+      geo=geo, head_size=d, num_kv_heads=h, layout=spec.layout, num_blocks=num_blocks,
+      max_blocks=max_blocks, num_tiles=TL.num_tiles_bound(num_tokens, num_seqs, geo.bq),
       causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
-      soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=sinks is not None,
-      scale=static_or_none(scale), dtype=np.dtype(q.dtype), interpret=bool(interpret), pv=pv,
-      ping_pong=bool(ping_pong),
-      num_programs=MT.num_programs(interpret) if num_programs is None else int(num_programs),
-      staging=staging, registers=None if registers is None else tuple(registers))
-  sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
-        else jnp.asarray(sinks, jnp.float32).reshape(hq))
-  traced_scale = None if st.scale is not None else jnp.asarray(scale, jnp.float32).reshape(1)
-  return K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk,
-                                 traced_scale, q, cache, st=st)
+      soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=bool(sinks),
+      scale=scale, dtype=np.dtype(q_dtype), interpret=bool(interpret), pv=pv,
+      ping_pong=bool(ping_pong), num_programs=int(num_programs), staging=staging,
+      registers=None if registers is None else tuple(registers))
+
+
+def _checked(spec: KVCacheSpec, q_dtype, num_heads: int, pv, interpret):
+  """(GQA group, pv variant) of a call, or ValueError naming what the kernel cannot take."""
+  h = spec.num_kv_heads
+  if num_heads % h:
+    raise ValueError(f"q has {num_heads} heads, not a multiple of num_kv_heads={h}")
+  pv = TL.default_pv(interpret) if pv is None else pv
+  if pv not in TL.PV_VARIANTS:
+    raise ValueError(f"pv must be one of {TL.PV_VARIANTS} or None, got {pv!r}")
+  reason = spec_reason(spec, q_dtype, num_heads // h)
+  if reason is not None:
+    raise ValueError(f"Mosaic GPU ragged attention: {reason}")
+  return num_heads // h, pv
