@@ -1,9 +1,10 @@
 """Which of a backend's calls launch kvjax's kernels from torch, per device, and why not.
 
 :class:`TorchLaunches` keeps, per torch device, the launcher of each call
-(:class:`torch_bridge.mosaic_decode.TorchDecode`, :class:`torch_bridge.mosaic_write.TorchWrite`)
-or the reason there is none; a call asks it (host-only, O(1) after the first call per device)
-and goes through JAX when the answer is a reason.
+(:class:`torch_bridge.mosaic_decode.TorchDecode`, :class:`torch_bridge.mosaic_ragged.TorchRagged`,
+:class:`torch_bridge.mosaic_write.TorchWrite`) or the reason there is none; a call asks it
+(host-only, O(1) after the first call per device) and goes through JAX when the answer is a
+reason.
 """
 from __future__ import annotations
 
