@@ -20,7 +20,9 @@ In one run:
      (``vllm_peer.py``);
   3. peers on bf16: JAX's built-in Pallas ``paged_attention`` (its own [H, pages, N, D] K and V
      arrays) and torch SDPA on dense KV (GQA through enable_gqa);
-  4. compiled correctness of each kernel vs ``kvjax.reference.unified_attention`` on small
+  4. the per-format summary (:func:`summary`): each kernel's tokens/s vs its bf16 cache,
+     vLLM's, and each bf16 kernel vs torch SDPA, ranges over the shapes;
+  5. compiled correctness of each kernel vs ``kvjax.reference.unified_attention`` on small
      problems (every cache dtype the kernel takes, both layouts, GQA 1/4/7/8/16, head sizes
      64..256, window, soft cap, sinks, several splits); the kernel reads a poisoned cache
      (unwritten slots random bytes / NaN), the reference a clean copy holding the same tokens.
@@ -316,6 +318,50 @@ def markdown(rows):
   return "\n".join(out)
 
 
+def _span(values, fmt="{:.2f}"):
+  """``lo–hi`` of values (one value: itself), or ``-``."""
+  if not values:
+    return "-"
+  lo, hi = min(values), max(values)
+  return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}–{fmt.format(hi)}"
+
+
+def summary(rows, peers, kernels):
+  """The per-format table (markdown): bytes vs bf16, the ideal speedup, and for each kernel
+  its tokens/s vs its bf16 cache over the shapes (NHD / HND ranges); vLLM's tokens/s vs the
+  same bf16 baseline; a last row with each bf16 kernel's tokens/s vs torch SDPA on dense KV
+  at the same shapes."""
+  formats = list(dict.fromkeys(r["cache_dtype"] for r in rows))
+  head = ["format", "bytes vs bf16", "ideal"] + [f"{k} NHD / HND" for k in kernels] + [
+      "vLLM 0.28 NHD / HND"]
+  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for fmt in formats:
+    mine = [r for r in rows if r["cache_dtype"] == fmt]
+    ratio = mine[0]["bytes_vs_bf16"]
+    cells = [fmt, f"{ratio:.3f}", f"{1 / ratio:.2f}"]
+    for k in kernels + ("vllm",):
+      parts = []
+      for layout in ("NHD", "HND"):
+        sel = [r for r in mine if r["layout"] == layout and
+               (r["kernel"] == k if k != "vllm" else "vllm_us" in r)]
+        if k == "vllm":   # vs the first kernel's bf16 row of the same shape and layout
+          vals = [r["us"] / r["vllm_us"] * r.get("x_bf16", 1) for r in sel]
+        else:
+          vals = [r["x_bf16"] for r in sel if "x_bf16" in r]
+        parts.append(_span(vals))
+      cells.append(" / ".join(parts))
+    out.append("| " + " | ".join(cells) + " |")
+  sdpa = {(p["batch"], p["context"]): p["ms"] for p in peers if p["kernel"] == "torch_sdpa"}
+  cells = ["bf16 vs torch SDPA (dense)", "-", "-"]
+  for k in kernels:
+    vals = [sdpa[(r["batch"], r["context"])] * 1e3 / r["us"] for r in rows
+            if r["kernel"] == k and r["cache_dtype"] == "bfloat16"
+            and (r["batch"], r["context"]) in sdpa]
+    cells.append(_span(vals))
+  out.append("| " + " | ".join(cells + ["-"]) + " |")
+  return "\n".join(out)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--smoke", action="store_true", help="tiny CPU run (interpret mode)")
@@ -397,6 +443,8 @@ def main():
   result = dict(info, copy_tb_s=round(copy, 3), rows=rows, peers=peers, checks=checks, chain=CHAIN,
                 bytes_counted="batch * context * page_bytes / block_size (data and scales)")
   print(markdown(rows), flush=True)
+  print("== per-format summary (tokens/s vs bf16 of the same kernel and layout)", flush=True)
+  print(summary(rows, peers, kernels), flush=True)
   if json_path:
     with open(json_path, "w") as f:
       json.dump(result, f, indent=1)

@@ -29,6 +29,7 @@ from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
 from pallas_kernels.mosaic_gpu.adapters import ADAPTERS
 from pallas_kernels.mosaic_gpu.formats import Fp8Operands, PlainOperands
+from pallas_kernels.mosaic_gpu.row_formats import RowScaledOperands
 
 BF16 = jnp.bfloat16
 
@@ -94,14 +95,67 @@ def test_decode_reason():
   assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), BF16, 4) is None
   assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8", dtype=BF16), BF16, 4) is None
   assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8_e5m2", layout="HND"), BF16) is None
+  assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, "int8_per_token_head"), BF16) is None
+  assert decode_reason(kvjax.KVCacheSpec(3, 64, 32, "fp8_per_token_head", layout="HND"),
+                       jnp.float16) is None
+  assert "256 data bytes + 16 <= 256" in decode_reason(
+      kvjax.KVCacheSpec(8, 256, 16, "int8_per_token_head"), BF16)
+  assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, "int4_per_token_head"), BF16) is None
   assert "has no Mosaic GPU adapter" in decode_reason(
-      kvjax.KVCacheSpec(8, 128, 16, "int8_per_token_head"), BF16)
+      kvjax.KVCacheSpec(8, 128, 16, "nvfp4", layout="HND"), BF16)
   assert "head_size=80" in decode_reason(kvjax.KVCacheSpec(8, 80, 16, dtype=BF16), BF16)
   assert "differs" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), jnp.float16)
   assert "float32" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), jnp.float32)
   assert "GQA group 11" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), BF16, 11)
   assert ADAPTERS.hooks(kvjax.KVCacheSpec(2, 64, 16).codec) is PlainOperands
   assert ADAPTERS.hooks(kvjax.KVCacheSpec(2, 64, 16, "fp8").codec) is Fp8Operands
+  for fmt in ("int8_per_token_head", "fp8_per_token_head"):
+    assert ADAPTERS.hooks(kvjax.KVCacheSpec(2, 64, 16, fmt).codec) is RowScaledOperands
+
+
+@pytest.mark.parametrize("layout,h,tokens_per_row", [("NHD", 2, 1), ("NHD", 1, 2),
+                                                     ("NHD", 3, 2), ("HND", 4, 2)])
+def test_row_scaled_view_keeps_tma_strides_16_byte_aligned(layout, h, tokens_per_row):
+  """A per-token-head row is 8 bytes off 16 (``2 * (D + 4)``): the kernel's view holds two
+  tokens a row where one token's rows are not 16 bytes apart; the view is a reshape."""
+  from pallas_kernels.mosaic_gpu.decode import cache_view, decode_statics
+  spec = kvjax.KVCacheSpec(h, 128, 16, "int8_per_token_head", layout=layout)
+  st = decode_statics(spec, BF16, 4, 4 * h, 4, 8, 32)
+  assert st.tokens_per_row == tokens_per_row
+  cache = jnp.arange(np.prod(spec.physical_shape(32))).reshape(spec.physical_shape(32))
+  view = cache_view(cache, st)
+  assert (view.shape[-1] * spec.itemsize) % 16 == 0 and view.shape[-2] == 16 // tokens_per_row
+  assert (np.asarray(view).reshape(-1) == np.asarray(cache).reshape(-1)).all()
+  with pytest.raises(ValueError, match="layered"):
+    decode_statics(spec, BF16, 4, 4 * h, 4, 8, 32, layered=True)
+
+
+def test_landing_offsets_follow_each_rows_byte_offset():
+  """A TMA box starts on 16 bytes: a side row lands as far into its slot row as it sits
+  past the boundary before it, which the kernel knows statically per head parity (NHD) and
+  step parity (two tokens a view row): checked against the rows' byte offsets."""
+  from pallas_kernels.mosaic_gpu.decode import cache_view, decode_statics
+  for fmt, layout, h in [("int8_per_token_head", "NHD", 2), ("int8_per_token_head", "NHD", 3),
+                         ("fp8_per_token_head", "HND", 2), ("int4_per_token_head", "NHD", 1),
+                         ("int4_per_token_head", "HND", 4)]:
+    spec = kvjax.KVCacheSpec(h, 128, 16, fmt, layout=layout)
+    st = decode_statics(spec, BF16, 4, 4 * h, 4, 8, 32)
+    offsets = np.arange(np.prod(spec.physical_shape(2))).reshape(spec.physical_shape(2))
+    view = np.asarray(cache_view(jnp.asarray(offsets), st))
+    for head in range(h):
+      for tok in range(spec.block_size):
+        parity = tok % st.tokens_per_row
+        for side, want in zip((0, 1), st.landing_offsets(head % 2, parity)):
+          col = parity * view.shape[-1] // st.tokens_per_row + side * st.side_dim
+          row = tok // st.tokens_per_row
+          if layout == "NHD":
+            first = view[1, row, col + head * st.content_dim]
+          else:
+            first = view[1, head, row, col]
+          assert first == offsets[(1, tok, head) if layout == "NHD" else (1, head, tok)][
+              side * spec.padded_head_size], (fmt, layout, head, tok, side)
+          assert first % 16 == want, (fmt, layout, head, tok, side)
+    assert st.head_parities == ((0, 1) if layout == "NHD" and st.content_dim % 16 else (0,))
 
 
 def test_auto_rule_for_decode_batches():
@@ -111,14 +165,21 @@ def test_auto_rule_for_decode_batches():
   plain = kvjax.KVCacheSpec(8, 128, 16, dtype=BF16)
   why = MA.prefer_attention(plain, BF16, call(64, 64, 1))
   assert (why is None) == MT.AUTO_DECODE
-  int8 = kvjax.KVCacheSpec(8, 128, 16, "int8_per_token_head")
-  assert "decode batch" in MA.prefer_attention(int8, BF16, call(64, 64, 1))
+  nvfp4 = kvjax.KVCacheSpec(8, 128, 16, "nvfp4", layout="HND")
+  assert "has no Mosaic GPU adapter" in MA.prefer_attention(nvfp4, BF16, call(64, 64, 1))
   # not a decode batch: the ragged kernel's rule
   assert "Triton kernels are faster" in MA.prefer_attention(plain, BF16, call(64, 16, 4))
   assert MA.prefer_attention(plain, BF16, call(16384, 4, 4096)) is None
   assert MA._decode_kernel_reason(plain, BF16, 64, 64, 32, 1) is None
   assert "not a decode batch" in MA._decode_kernel_reason(plain, BF16, 65, 64, 32, 1)
   assert "not a decode batch" in MA._decode_kernel_reason(plain, BF16, 64, 64, 32, None)
+  # integer row formats go to the ragged kernel until their direct reads run compiled
+  fp8_rows = kvjax.KVCacheSpec(8, 128, 16, "fp8_per_token_head")
+  assert MA._decode_kernel_reason(fp8_rows, BF16, 64, 64, 32, 1) is None
+  for fmt in ("int8_per_token_head", "int4_per_token_head"):
+    why = MA._decode_kernel_reason(kvjax.KVCacheSpec(8, 128, 16, fmt), BF16, 64, 64, 32, 1)
+    assert (why is None) == MT.DECODE_INTEGER_ROWS
+    assert why is None or "DECODE_INTEGER_ROWS" in why
 
 
 # -- lowering for CUDA -------------------------------------------------------------------------
@@ -130,6 +191,16 @@ LOWER_CASES = [
     pytest.param("fp8_e5m2", "NHD", 1, 1, 192, 48, {}, marks=pytest.mark.slow),
     ("bfloat16", "HND", 2, 5, 128, 16, dict(finish=True, sinks=True, soft_cap=20.0)),
     pytest.param("fp8", "NHD", 4, 2, 256, 32, dict(finish=True), marks=pytest.mark.slow),
+    # row-scaled: one token a view row (NHD, H even), two (HND)
+    ("int8_per_token_head", "NHD", 2, 4, 128, 16, dict(finish=True, sinks=True)),
+    ("fp8_per_token_head", "HND", 3, 5, 64, 32, dict(num_splits=2, soft_cap=20.0)),
+    pytest.param("int8_per_token_head", "NHD", 1, 8, 192, 64, dict(sliding_window=64),
+                 marks=pytest.mark.slow),
+    ("int4_per_token_head", "HND", 2, 4, 128, 16, dict(finish=True, sinks=True)),
+    pytest.param("int4_per_token_head", "NHD", 3, 2, 64, 32, dict(num_splits=2),
+                 marks=pytest.mark.slow),
+    pytest.param("int4_per_token_head", "NHD", 1, 4, 256, 16, dict(finish=True),
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -162,7 +233,8 @@ NUMERICS_CASES = [
                                                  num_splits=3)),
     ("bfloat16", "HND", 1, 16, 64, 48, [65, 129], {}),
     # finish mode: one split, the kernel writes the output rows (sinks in the kernel)
-    ("bfloat16", "NHD", 3, 5, 128, 16, [1, 70, 0, 130], dict(num_splits=1, finish=True)),
+    ("bfloat16", "NHD", 3, 5, 128, 16, [1, 70, 0, 130], dict(num_splits=1, finish=True,
+                                                             sinks=True)),
     ("fp8", "HND", 2, 7, 64, 32, [200, 5, 0], dict(sliding_window=40, soft_cap=5.0,
                                                     sinks=True, finish=True)),
     ("float16", "NHD", 2, 1, 64, 64, [300, 2], dict(sinks=True, finish=True)),
@@ -170,6 +242,18 @@ NUMERICS_CASES = [
     ("bfloat16", "NHD", 2, 4, 64, 16, [70, 5, 130], dict(query_counts=[1, 0, 1], rows=4)),
     ("bfloat16", "HND", 2, 4, 64, 16, [70, 5, 130], dict(query_counts=[0, 1, 1], rows=3,
                                                          finish=True, num_splits=1)),
+    # row-scaled (per token-head) rows, one or two tokens a view row (stale NaN scales read)
+    ("int8_per_token_head", "NHD", 2, 4, 64, 16, [1, 70, 0, 130], dict(num_splits=2)),
+    ("int8_per_token_head", "NHD", 1, 8, 128, 32, [200, 5], dict(sliding_window=40,
+                                                               soft_cap=5.0, sinks=True,
+                                                               finish=True)),
+    ("fp8_per_token_head", "HND", 2, 7, 64, 16, [65, 129, 0], dict(sinks=True, finish=True)),
+    ("fp8_per_token_head", "NHD", 3, 1, 64, 48, [97, 3], dict(num_splits=3)),
+    # int4 codes: zero points out of the products, dims in the kernel's order and back
+    ("int4_per_token_head", "NHD", 3, 4, 128, 16, [1, 70, 0, 130], dict(num_splits=2,
+                                                                       soft_cap=5.0)),
+    ("int4_per_token_head", "HND", 1, 7, 64, 32, [200, 5], dict(sliding_window=40, sinks=True,
+                                                              finish=True)),
 ]
 
 
@@ -215,8 +299,11 @@ def test_kernel_matches_reference(rng, cache_dtype, layout, h, group, head_size,
   for s, p in enumerate(pages):
     bt[s, :p] = perm[used:used + p]
     used += p
-  cache = jnp.full(spec.physical_shape(num_blocks), jnp.nan, jnp.float32).astype(
-      spec.storage_dtype)
+  shape = spec.physical_shape(num_blocks)
+  if spec.itemsize == 1:      # 0xFF bytes: NaN fp8 values and NaN float32 row scales
+    cache = jax.lax.bitcast_convert_type(jnp.full(shape, 0xFF, jnp.uint8), spec.storage_dtype)
+  else:
+    cache = jnp.full(shape, jnp.nan, spec.storage_dtype)
   slots = np.concatenate([bt[s, np.arange(ln) // n] * n + np.arange(ln) % n
                           for s, ln in enumerate(lens)]).astype(np.int32)
   k, v = (jnp.asarray(rng.standard_normal((len(slots), h, head_size)), dtype) for _ in range(2))

@@ -59,6 +59,10 @@ def spec_reason(spec: KVCacheSpec, q_dtype, num_heads: int) -> Optional[str]:
   ``q_dtype`` (torch or numpy), else why not. Device-free."""
   if num_heads % spec.num_kv_heads:
     return f"num_heads={num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
+  hooks = MD.ADAPTERS.hooks(spec.codec)
+  if hooks is not None and hooks.row_scaled:
+    return (f"cache_dtype={spec.cache_dtype!r}: torch launches the Mosaic GPU decode kernel "
+            "for plain and fp8 per-tensor caches (per-token-head caches go through JAX)")
   return MD.decode_reason(spec, dtypes.numpy_dtype(q_dtype), num_heads // spec.num_kv_heads)
 
 

@@ -1,18 +1,29 @@
 """The Mosaic GPU backend's adapter table: which operand hooks (:mod:`.formats`) read a codec.
 
 Rows match a codec's facts (:mod:`kvjax.adapters`): plain rows (values stored as they are,
-16-bit storage checked by :meth:`.formats.PlainOperands.reason`) and rows of fp8 values with
-per-tensor scales. The decode kernel reads these formats directly; the ragged kernel reads
+16-bit storage checked by :meth:`.formats.PlainOperands.reason`), rows of fp8 values with
+per-tensor scales, rows of one-byte values (int8 / fp8) each ending in its float32 scale and
+rows of int4 codes ending in a scale with a zero point (:mod:`.row_formats`).
+The decode kernel reads these formats directly; the ragged kernel reads the first two and
 every other format through a plain copy of the batch's pages (:mod:`kvjax.plain_copy`).
 """
 from __future__ import annotations
 
-from kvjax.adapters import Adapter, AdapterTable, stores_fp8
+import numpy as np
+
+from kvjax.adapters import Adapter, AdapterTable, packs, stores_fp8
 from pallas_kernels.mosaic_gpu.formats import Fp8Operands, PlainOperands
+from pallas_kernels.mosaic_gpu.row_formats import Int4Operands, RowScaledOperands
 
 ADAPTERS = AdapterTable("Mosaic GPU", (
     Adapter("plain rows", lambda c: c.content_halves and c.is_plain, PlainOperands),
     Adapter("fp8 rows with per-tensor scales",
             lambda c: (c.content_halves and c.has_tensor_scales and not c.has_row_scales
                        and stores_fp8(c)), Fp8Operands),
+    Adapter("rows of int8 / fp8 values, each with a float32 scale",
+            lambda c: (c.content_halves and c.has_row_scales and not isinstance(c.quant, str)
+                       and np.dtype(c.quant).itemsize == 1 and c.storage.itemsize == 1),
+            RowScaledOperands),
+    Adapter("rows of int4 codes with a scale and zero point",
+            lambda c: c.content_halves and c.has_row_scales and packs(c, "int4"), Int4Operands),
 ))

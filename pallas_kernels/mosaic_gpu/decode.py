@@ -4,7 +4,8 @@ Entry point :func:`paged_decode_attention`, the semantics of
 :func:`pallas_kernels.triton.decode.paged_decode_attention` (causal, the query at position
 ``seq_len - 1``; GQA, sliding window, soft cap, sinks; rows of no sequence output 0).
 :func:`decode_reason` says when it applies. The kernel (:mod:`.decode_kernel`) reads formats
-through their Mosaic GPU hooks (:mod:`.formats`: plain bf16 / f16 and fp8 per tensor); its
+through their Mosaic GPU hooks (:mod:`.formats`: plain bf16 / f16, fp8 per tensor;
+:mod:`.row_formats`: int8 / fp8 / int4 per token-head, through :func:`cache_view`); its
 partials (one per split) are merged here in XLA with the sinks.
 Works under ``jax.jit`` with traced ``seq_lens``, ``block_table``, ``scale`` and scales.
 """
@@ -79,7 +80,32 @@ def decode_statics(spec: KVCacheSpec, q_dtype, num_rows: int, num_heads: int,
       window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), interpret=bool(interpret),
       finish=finish, sinks=bool(sinks) and finish,
-      layer_axis=spec.layer_axis if layered else None)
+      layer_axis=spec.layer_axis if layered else None,
+      **(_row_view(spec) if ops.row_scaled else {}))
+
+
+def _row_view(spec: KVCacheSpec) -> dict:
+  """The statics of a row-scaled format's :func:`cache_view`: TMA wants every stride of a
+  copy's source 16 bytes apart, so a view row holds one token where its rows are (2 tokens
+  otherwise: a side row ``[D data | 4-byte scale]`` is a multiple of 8 bytes)."""
+  c = spec.content_dim
+  token_bytes = c * spec.itemsize * (spec.num_kv_heads if spec.layout == "NHD" else 1)
+  return dict(tokens_per_row=1 if token_bytes % 16 == 0 else 2, side_dim=spec.padded_head_size,
+              content_dim=c)
+
+
+def cache_view(cache, st):
+  """The array a row-scaled format's kernel copies from (a reshape, no copy): rows of
+  ``r = st.tokens_per_row`` tokens, ``(B, N / r, r * H * C)`` for NHD, ``(B, H, N / r, r * C)``
+  for HND. Other formats: the cache itself."""
+  if not st.ops.row_scaled:
+    return cache
+  r = st.tokens_per_row
+  if st.layout == "NHD":
+    b, n, h, c = cache.shape
+    return cache.reshape(b, n // r, r * h * c)
+  b, h, n, c = cache.shape
+  return cache.reshape(b, h, n // r, r * c)
 
 
 def padded_heads(num_heads: int, geo) -> int:
@@ -148,11 +174,14 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
     qk = jnp.pad(qk, ((0, 0), (0, hq_pad - hq), (0, 0)))
   if layer is not None:
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+  cache = cache_view(cache, st)
+  q_sums = ops.q_sums(qk)
   if st.finish:
-    return DK.decode_call(*meta, factors, qk, cache, st=st, v_factors=scales[1], layer=layer,
-                          sinks=None if sinks is None else sink_columns(sinks, hq_pad),
-                          out_dtype=q.dtype)
-  acc, ml = DK.decode_call(*meta, factors, qk, cache, st=st, layer=layer)
+    out = DK.decode_call(*meta, factors, qk, cache, st=st, v_factors=scales[1], layer=layer,
+                         sinks=None if sinks is None else sink_columns(sinks, hq_pad),
+                         out_dtype=q.dtype, q_sums=q_sums)
+    return ops.output(out)
+  acc, ml = DK.decode_call(*meta, factors, qk, cache, st=st, layer=layer, q_sums=q_sums)
   # Head h's queries are columns col_offset(h) + [0, G) of the partials.
   cols = np.asarray([[geo.col_offset(i) + j for j in range(g)] for i in range(h)], np.int32)
   acc = jnp.take_along_axis(acc, cols[None, :, None, None, :], axis=-1)   # [S, H, P, D, G]
@@ -161,4 +190,4 @@ def paged_decode_attention(q, cache, spec: KVCacheSpec, *, seq_lens, block_table
   out = merge_splits(jnp.swapaxes(acc, -1, -2), ml[..., 0, :] * _LN2, ml[..., 1, :], sink_hg,
                      g)                                                # [S, H, G, D]
   out = out * scales[1][None, :, None, None]
-  return out.reshape(num_rows, hq, d).astype(q.dtype)
+  return ops.output(out.reshape(num_rows, hq, d).astype(q.dtype))

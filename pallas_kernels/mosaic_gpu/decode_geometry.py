@@ -1,6 +1,7 @@
 """Static shape of the Mosaic GPU decode kernel (:mod:`.decode_kernel`): its geometry, the GQA
-groups it packs, the K/V slots that fit and the split count. Pure Python (no Mosaic GPU
-import): the registry's checks run it on any machine.
+groups it packs, the K/V slots that fit, the split count, and everything static one call's
+kernel body needs (:class:`DecodeStatics`). Pure Python (no Mosaic GPU import): the
+registry's checks run it on any machine.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class DecodeGeometry:
     compute dtype) instead of float32 partials."""
     t, d = self.block_kv, self.head_size
     compute = np.dtype(ops.compute).itemsize
-    land = 2 * self.stages * t * d * np.dtype(ops.storage).itemsize
+    land = 2 * self.stages * t * ops.landing_cols(d) * np.dtype(ops.storage).itemsize
     v = t * d * compute
     q = self.cols * d * compute
     p = t * self.cols * compute
@@ -117,3 +118,79 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_steps: int,
   cost = {k: cdiv(base * k, slots) / k for k in cands}
   best = min(cost.values())
   return min(k for k in cands if cost[k] <= 1.05 * best)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStatics:
+  """Everything static the kernel body needs."""
+  geo: DecodeGeometry
+  ops: Operands
+  num_kv_heads: int           # H
+  layout: str                 # "NHD" / "HND"
+  num_blocks: int             # B
+  num_seqs: int               # S, sequences of the batch (query rows may be more or fewer)
+  max_blocks: int             # block_table.shape[1]
+  num_splits: int
+  window: Optional[int]
+  soft_cap: Optional[float]
+  interpret: bool = False     # Mosaic GPU interpret mode (CPU, jax >= 0.11)
+  finish: bool = False        # the block writes normalized output rows (one split only)
+  sinks: bool = False         # finish: the running max and sum start at the sinks
+  layer_axis: Optional[int] = None   # a layered (5-D) cache: its layer dim; the layer is read
+                                     # from an int32 [1] operand (one program for every layer)
+  # Row-scaled formats (ops.row_scaled) read the cache through a view of rows of r =
+  # tokens_per_row tokens (decode.cache_view): (B, N / r, r * H * C) for NHD, (B, H, N / r,
+  # r * C) for HND, r = 2 where one token's rows are not 16 bytes apart (TMA's stride rule);
+  # side_dim: P, bytes of a side row; content_dim: C = 2 P.
+  tokens_per_row: int = 1
+  side_dim: int = 0
+  content_dim: int = 0
+
+  def __post_init__(self):
+    if self.finish and self.num_splits != 1:
+      raise ValueError(f"finish=True writes whole outputs: num_splits={self.num_splits} "
+                       "must be 1")
+    if self.sinks and not self.finish:
+      raise ValueError("sinks in the kernel need finish=True (partials merge them in XLA)")
+    if self.ops.row_scaled and self.layer_axis is not None:
+      raise ValueError("a layered cache of a row-scaled format: the decode kernel reads one "
+                       "layer's cache")
+
+  @property
+  def capacity(self) -> int:
+    """Keys a block-table row can name: ``max_blocks * block_size``."""
+    return self.max_blocks * self.geo.block_size
+
+  @property
+  def span(self) -> int:
+    """Tokens of the cache one round of steps walks: ``r`` steps of T keys, step j of a
+    round holding its tokens of parity j (``r = tokens_per_row``; one step of T consecutive
+    tokens when r = 1)."""
+    return self.geo.block_kv * self.tokens_per_row
+
+  @property
+  def piece(self) -> int:
+    """Tokens of a round one copy reads from (a page, or the part of it the round holds)."""
+    return copy_piece(self.geo.block_size, self.span)
+
+  @property
+  def copies_per_step(self) -> int:
+    """TMA copies of one side per step: one per piece of the round."""
+    return self.span // self.piece
+
+  def landing_offsets(self, head_parity: int, parity: int):
+    """Static ``(K, V)`` offsets of a row-scaled format's data in its landing rows: a copy
+    starts at the 16-byte boundary at or before its side row (TMA's rule for a box's first
+    byte), so the data land that far in: the row's byte offset mod 16 in the cache view, for
+    step parity ``parity`` and, in NHD (heads are columns), head parity ``head_parity``."""
+    c = self.content_dim
+    row = c * (self.num_kv_heads if self.layout == "NHD" else 1)
+    head = head_parity * c if self.layout == "NHD" else 0
+    return tuple((parity * row + head + side * self.side_dim) % 16 for side in (0, 1))
+
+  @property
+  def head_parities(self) -> tuple:
+    """The head parities whose landing offsets differ (NHD rows of C = 8 mod 16 bytes)."""
+    if self.ops.row_scaled and self.layout == "NHD" and self.content_dim % 16:
+      return (0, 1)
+    return (0,)

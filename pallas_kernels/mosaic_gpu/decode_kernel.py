@@ -19,9 +19,13 @@ block could not reduce at the same time; two blocks per SM fit instead):
   block table and issues one TMA copy per ``piece`` tokens for K and for V of its head into
   ``stages`` shared-memory slots (format hooks say where copies land:
   :mod:`pallas_kernels.mosaic_gpu.formats`); a slot is refilled once the consumer released
-  it, and the producer waits for the last releases before it exits;
+  it, and the producer waits for the last releases before it exits. Formats with a scale per
+  row (:mod:`.row_formats`) copy from a view of the cache with rows of one or two tokens; with
+  two, the keys go in rounds of ``2 T`` tokens, step j of a round holding the tokens of
+  parity j, so that every row of a slot lands at the same offset (``landing_offsets``);
 * the **consumer**, per step, builds the K operand (format hook), computes ``S^T`` with
-  wgmma, scales (softmax scale x K scale x log2 e, one float per head), soft-caps, masks keys
+  wgmma, scales (softmax scale x K scale x log2 e, one float per head; format hooks add the
+  per-key scales and zero points), soft-caps, masks keys
   outside ``[seq_len - window, seq_len)``, updates the running max per column (a cross-warp
   reduction) and a per-thread partial sum, stores ``P^T`` to shared memory, builds the V
   operand (format hook; rows of masked keys set to 0: stale cache bytes may be NaN),
@@ -43,8 +47,8 @@ other columns hold neighbouring heads' queries (finite, discarded) or zeros past
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -54,50 +58,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu.compat import interpret_params
-from pallas_kernels.mosaic_gpu.decode_geometry import ALIGN_ROWS, DecodeGeometry
-from pallas_kernels.mosaic_gpu.formats import Operands
-
-_M_INIT = -1e30            # running max before any key: finite, exp2(m - m_new) is never NaN
+from pallas_kernels.mosaic_gpu.decode_geometry import ALIGN_ROWS, DecodeStatics
+from pallas_kernels.mosaic_gpu.decode_parts import M_INIT, column_values, row_sequence, staged
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeStatics:
-  """Everything static the kernel body needs."""
-  geo: DecodeGeometry
-  ops: Operands
-  num_kv_heads: int           # H
-  layout: str                 # "NHD" / "HND"
-  num_blocks: int             # B
-  num_seqs: int               # S, sequences of the batch (query rows may be more or fewer)
-  max_blocks: int             # block_table.shape[1]
-  num_splits: int
-  window: Optional[int]
-  soft_cap: Optional[float]
-  interpret: bool = False     # Mosaic GPU interpret mode (CPU, jax >= 0.11)
-  finish: bool = False        # the block writes normalized output rows (one split only)
-  sinks: bool = False         # finish: the running max and sum start at the sinks
-  layer_axis: Optional[int] = None   # a layered (5-D) cache: its layer dim; the layer is read
-                                     # from an int32 [1] operand (one program for every layer)
 
-  def __post_init__(self):
-    if self.finish and self.num_splits != 1:
-      raise ValueError(f"finish=True writes whole outputs: num_splits={self.num_splits} "
-                       "must be 1")
-    if self.sinks and not self.finish:
-      raise ValueError("sinks in the kernel need finish=True (partials merge them in XLA)")
-
-  @property
-  def capacity(self) -> int:
-    """Keys a block-table row can name: ``max_blocks * block_size``."""
-    return self.max_blocks * self.geo.block_size
-
-
-def _kv_box(cache_ref, st: DecodeStatics, blk, h, off, n, side, layer=None):
-  """``(n, D)`` GMEM box of K (side 0) or V (side 1) of head h, tokens off..off+n of page blk
-  (of ``layer`` in a layered cache)."""
-  d = st.geo.head_size
-  cols = pl.ds(side * d, d)
-  index = [blk, pl.ds(off, n), h, cols] if st.layout == "NHD" else [blk, h, pl.ds(off, n), cols]
+def _kv_box(cache_ref, st: DecodeStatics, blk, h, row0, nrows, col0, ncols, layer=None):
+  """``(nrows, ncols)`` GMEM box of head h: rows row0.. of page blk (tokens, or for
+  row-scaled formats rows of ``tokens_per_row`` tokens), storage columns col0.. of a row (of
+  ``layer`` in a layered cache)."""
+  rows, cols = pl.ds(row0, nrows), pl.ds(col0, ncols)
+  if st.ops.row_scaled:            # the cache_view: NHD heads are columns of a row
+    if st.layout == "NHD":
+      return cache_ref.at[blk, rows, cols]
+    return cache_ref.at[blk, h, rows, cols]
+  index = [blk, rows, h, cols] if st.layout == "NHD" else [blk, h, rows, cols]
   if st.layer_axis is not None:
     index.insert(st.layer_axis, layer)
   return cache_ref.at[tuple(index)]
@@ -116,6 +91,7 @@ class _Refs:
   layer: object = None
   vfac: object = None
   sinks: object = None
+  qsums: object = None
   acc: object = None
   ml: object = None
   out: object = None
@@ -125,7 +101,6 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
   # o_smem, ml_smem: the partials; in finish mode O^T in the compute dtype and the rows.
   ((q_smem, k_land, v_land, v_smem, p_smem, o_smem, ml_smem, k_staged), q_bar,
    (k_bars, v_bars), (k_free, v_free)) = scratch
-  bt_ref, fac_ref, q_ref, cache_ref = refs.bt, refs.fac, refs.q, refs.cache
   geo, ops = st.geo, st.ops
   t_keys, ncol, d = geo.block_kv, geo.cols, geo.head_size
   wgmma_layout = plgpu.Layout.WGMMA
@@ -134,84 +109,104 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
   r = lax.axis_index("row")
   split = lax.axis_index("split")
   wg = lax.axis_index("wg")
+  par = st.tokens_per_row           # steps of a round (one per token parity)
 
-  # Row r's sequence, its keys [lo_tok, seq_len) in steps of T; this split's steps
-  # [start, start + n). A row of no sequence reads no key (its output is 0).
-  seq, real = _row_sequence(refs.qsl, r, st.num_seqs)
+  # Row r's sequence, its keys [lo_tok, seq_len) in rounds of st.span tokens; this split's
+  # rounds [start, start + n), n * par steps. A row of no sequence reads no key (output 0).
+  seq, real = row_sequence(refs.qsl, r, st.num_seqs)
   seq_len = jnp.where(real, jnp.clip(refs.lens[seq], 0, st.capacity), 0)
   lo_tok = jnp.maximum(seq_len - st.window, 0) if st.window else jnp.int32(0)
-  lo_step = lax.div(lo_tok, t_keys)
-  hi_step = lax.div(seq_len + t_keys - 1, t_keys)
-  per = lax.div(jnp.maximum(hi_step - lo_step, 0) + st.num_splits - 1, st.num_splits)
-  start = lo_step + split * per
-  n = jnp.clip(hi_step - start, 0, per)
+  lo_round = lax.div(lo_tok, st.span)
+  hi_round = lax.div(seq_len + st.span - 1, st.span)
+  per = lax.div(jnp.maximum(hi_round - lo_round, 0) + st.num_splits - 1, st.num_splits)
+  start = lo_round + split * per
+  n = jnp.clip(hi_round - start, 0, per)
 
-  @pl.when(wg == 0)
-  def _consumer():
+  def consumer(head_parity: int):
     hg = h * geo.group
     row0 = hg - lax.rem(hg, ALIGN_ROWS)           # head h's queries: columns hg - row0 + [0, G)
-    plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(row0, ncol)], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(refs.q.at[r, pl.ds(row0, ncol)], q_smem, q_bar)
     plgpu.barrier_wait(q_bar)
-    fac = fac_ref[h]
+    fac = refs.fac[h]
     rows = cast(lax.broadcasted_iota(jnp.int32, (t_keys, ncol), 0), wgmma_layout)
     v_rows = cast(lax.broadcasted_iota(jnp.int32, (t_keys, d), 0), wgmma_layout)
+    q_sums = tuple(column_values(refs.qsums.at[r, j], row0, rows)
+                   for j in range(ops.num_q_sums))
 
-    def step(i, carry):
-      acc, m, l_part = carry
+    def step(i, parity, tok0, carry):
+      """Step i: the keys of parity ``parity`` of the round from tok0 (slot row t holds key
+      ``tok0 + par * t + parity``)."""
+      acc, m, l_part, v_state = carry
       slot = lax.rem(i, geo.stages)
-      tok0 = (start + i) * t_keys
+      k_rows, v_rows_ref = (_landed(land.at[slot], st, off) for land, off in
+                            zip((k_land, v_land), st.landing_offsets(head_parity, parity)))
       plgpu.barrier_wait(k_bars.at[slot])
-      k_op = ops.k_operand(k_land.at[slot])
+      products = ops.score_operands(k_rows, q_smem)
       if k_staged is not None:     # interpret mode takes no register operand: stage K
-        k_staged[...] = k_op
-        plgpu.commit_smem()
-        k_op = k_staged
+        products = staged(products, k_staged)
 
       def qk(acc_ref):
-        plgpu.wgmma(acc_ref, k_op, q_smem.transpose((1, 0)))
+        for a_op, b_op in products:
+          plgpu.wgmma(acc_ref, a_op, b_op)
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((t_keys, ncol), jnp.float32))
+      sc = ops.scale_scores(sc, k_rows, fac, q_sums)       # the log2 domain
       plgpu.barrier_arrive(k_free.at[slot])
-      sc = sc * fac                                   # the log2 domain, K scale included
       if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
         cap = st.soft_cap * math.log2(math.e)
         sc = cap * jnp.tanh(sc * (1.0 / cap))
-      tok = tok0 + rows
-      sc = jnp.where((tok >= lo_tok) & (tok < seq_len), sc, -jnp.inf)
+      tok = tok0 + par * rows + parity
+      visible = (tok >= lo_tok) & (tok < seq_len)
+      sc = jnp.where(visible, sc, -jnp.inf)
       m_new = jnp.maximum(m, sc.max(axis=0))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [1]))
       l_part = l_part * lax.broadcast_in_dim(alpha, sc.shape, [1]) + p
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      p_smem[...] = p.astype(ops.compute)
+      if ops.row_scaled:           # the weights take the V scales: wait for V first
+        plgpu.barrier_wait(v_bars.at[slot])
+      weights = ops.value_weights(p, v_rows_ref, visible)
+      v_state = ops.next_value_state(v_state, alpha, weights, v_rows_ref)
+      p_smem[...] = weights.astype(ops.compute)
       plgpu.commit_smem()          # generic-proxy stores visible to wgmma (async proxy)
 
-      plgpu.barrier_wait(v_bars.at[slot])
-      edge = (tok0 < lo_tok) | (tok0 + t_keys > seq_len)
+      if not ops.row_scaled:
+        plgpu.barrier_wait(v_bars.at[slot])
+      first = tok0 + parity                        # the step's keys: first + par * [0, T)
+      edge = (first < lo_tok) | (first + par * (t_keys - 1) >= seq_len)
 
       @pl.when(edge)
       def _edge_values():
-        ops.prepare_v(v_land.at[slot], v_smem, (v_rows, lo_tok - tok0, seq_len - tok0),
-                      plgpu.commit_smem)
+        keep = (par * v_rows + parity, lo_tok - tok0, seq_len - tok0)
+        ops.prepare_v(v_rows_ref, v_smem, keep, plgpu.commit_smem)
 
       @pl.when(jnp.logical_not(edge))
       def _values():
-        ops.prepare_v(v_land.at[slot], v_smem, None, plgpu.commit_smem)
+        ops.prepare_v(v_rows_ref, v_smem, None, plgpu.commit_smem)
       plgpu.barrier_arrive(v_free.at[slot])
 
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, v_smem.transpose((1, 0)), p_smem)
         return acc_ref[...]
       acc = acc + pl.run_scoped(pv, plgpu.ACC((d, ncol), jnp.float32))
-      return acc, m_new, l_part
+      return acc, m_new, l_part, v_state
+
+    def one_round(k, carry):
+      tok0 = (start + k) * st.span
+      for parity in range(par):
+        carry = step(k * par + parity, parity, tok0, carry)
+      return carry
 
     acc0 = cast(jnp.zeros((d, ncol), jnp.float32), wgmma_layout)
     if st.sinks:     # a sink is a key whose value row is 0: max starts at it, sum at 1
-      m0, l0 = _sink_start(refs.sinks, row0, rows, ncol)
+      m0 = column_values(refs.sinks, row0, rows)
+      l0 = cast(jnp.where(rows == 0, 1.0, 0.0).astype(jnp.float32), wgmma_layout)
     else:
-      m0 = cast(jnp.full((ncol,), _M_INIT, jnp.float32), wgmma_layout.reduce(0))
+      m0 = cast(jnp.full((ncol,), M_INIT, jnp.float32), wgmma_layout.reduce(0))
       l0 = cast(jnp.zeros((t_keys, ncol), jnp.float32), wgmma_layout)
-    acc, m, l_part = lax.fori_loop(0, n, step, (acc0, m0, l0))
+    carry = (acc0, m0, l0, ops.value_state((t_keys, ncol)))
+    acc, m, l_part, v_state = lax.fori_loop(0, n, one_round, carry)
+    acc = ops.finish_values(acc, v_state)
     if st.finish:
       _write_rows(refs, acc, l_part.sum(axis=0), rows, hg - row0, o_smem, ml_smem, p_smem, st)
       return
@@ -223,37 +218,49 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
     plgpu.copy_smem_to_gmem(ml_smem, refs.ml.at[r, h, split])
     plgpu.wait_smem_to_gmem(0)
 
+  for head_parity in st.head_parities:   # the landing offsets are static in each
+    own = (wg == 0) & (lax.rem(h, 2) == head_parity) if len(st.head_parities) > 1 else wg == 0
+    pl.when(own)(functools.partial(consumer, head_parity))
+
   @pl.when(wg == 1)
   def _producer():
-    piece = geo.piece
     layer = None if st.layer_axis is None else refs.layer[0]
+    piece, steps = st.piece, n * par
+    rows_per_copy = piece // par
+    row_len = st.content_dim * (st.num_kv_heads if st.layout == "NHD" else 1)
+    width = ops.landing_cols(d)
+    head_col = h * st.content_dim if st.layout == "NHD" and ops.row_scaled else 0
 
     def block_ids(i):
-      """The block of each piece of step i, all loaded before any copy is issued (the
-      loads overlap; K and V of the step share them)."""
+      """The block of each piece of step i's round, all loaded before any copy is issued
+      (the loads overlap; K and V of the step share them)."""
       ids = []
-      for p in range(geo.pieces_per_step):
-        key0 = (start + i) * t_keys + p * piece
+      for p in range(st.copies_per_step):
+        key0 = (start + lax.div(i, par)) * st.span + p * piece
         page = jnp.minimum(lax.div(key0, geo.block_size), st.max_blocks - 1)
-        ids.append(jnp.clip(bt_ref[seq * st.max_blocks + page], 0, st.num_blocks - 1))
+        ids.append(jnp.clip(refs.bt[seq * st.max_blocks + page], 0, st.num_blocks - 1))
       return ids
 
     def issue(i, side, bars, ids):
       slot = lax.rem(i, geo.stages)
       land = k_land if side == 0 else v_land
+      col = lax.rem(i, par) * row_len + head_col + side * (st.side_dim or d)
+      col = col - lax.rem(col, 16)      # a box starts on 16 bytes: see landing_offsets
       for p, blk in enumerate(ids):
-        off = lax.rem((start + i) * t_keys + p * piece, geo.block_size)
-        src = _kv_box(cache_ref, st, blk, h, off, piece, side, layer)
-        plgpu.copy_gmem_to_smem(src, land.at[slot, pl.ds(p * piece, piece)], bars.at[slot])
+        row0 = lax.div(lax.rem((start + lax.div(i, par)) * st.span + p * piece,
+                               geo.block_size), par)
+        src = _kv_box(refs.cache, st, blk, h, row0, rows_per_copy, col, width, layer)
+        dst = land.at[slot, pl.ds(p * rows_per_copy, rows_per_copy)]
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
 
     for i in range(geo.stages):
-      @pl.when(i < n)
+      @pl.when(i < steps)
       def _prologue():
         ids = block_ids(i)
         issue(i, 0, k_bars, ids)
         issue(i, 1, v_bars, ids)
 
-    @pl.loop(geo.stages, n)
+    @pl.loop(geo.stages, steps)
     def _steady(i):
       slot = lax.rem(i, geo.stages)
       ids = block_ids(i)
@@ -262,46 +269,20 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
       plgpu.barrier_wait(v_free.at[slot])
       issue(i, 1, v_bars, ids)
 
-    @pl.loop(jnp.maximum(n - geo.stages, 0), n)
+    @pl.loop(jnp.maximum(steps - geo.stages, 0), steps)
     def _drain(i):   # the last `stages` releases: no barrier phase is left unobserved
       slot = lax.rem(i, geo.stages)
       plgpu.barrier_wait(k_free.at[slot])
       plgpu.barrier_wait(v_free.at[slot])
 
 
-def _row_sequence(qsl_ref, row, num_seqs: int):
-  """(sequence, whether it has query row ``row``): the last s in ``[0, S]`` with
-  ``query_start_loc[s] <= row`` (sequences without query rows repeat their start and are
-  skipped); ``row >= query_start_loc[S]`` has none.
-
-  The usual decode batch, one row per sequence, is answered by two independent scalar loads
-  (``query_start_loc[row] == row`` and ``[row + 1] == row + 1``: sequence ``row``); other
-  batches by a binary search, ``ceil(log2(S + 1))`` dependent loads."""
-  at = jnp.minimum(row, num_seqs - 1)
-  own = (row < num_seqs) & (qsl_ref[at] == row) & (qsl_ref[at + 1] == row + 1)
-
-  def search():
-    lo, hi = jnp.int32(0), jnp.int32(num_seqs + 1)      # the answer is in [lo, hi)
-    for _ in range(int(num_seqs).bit_length()):
-      mid = lax.div(lo + hi, 2)
-      right = qsl_ref[mid] <= row
-      lo = jnp.where(right, mid, lo)
-      hi = jnp.where(right, hi, mid)
-    return lo
-  lo = lax.cond(own, lambda: at, search)
-  return jnp.minimum(lo, num_seqs - 1), lo < num_seqs
-
-
-def _sink_start(sinks_ref, row0, rows, ncol):
-  """The running max and per-thread sums a block starts from with sinks: the max is the sink
-  of each query column (log2 domain, read from ``sinks_ref[row0 + c]``), the sum 1 (one
-  thread's share of row 0)."""
-  wgmma_layout = plgpu.Layout.WGMMA
-  cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, rows.shape, 1), wgmma_layout)
-  tile = plgpu.layout_cast(jnp.full(rows.shape, _M_INIT, jnp.float32), wgmma_layout)
-  for c in range(ncol):
-    tile = jnp.where(cols == c, sinks_ref[row0 + c], tile)
-  return tile.max(axis=0), jnp.where(rows == 0, 1.0, 0.0).astype(jnp.float32)
+def _landed(slot_ref, st: DecodeStatics, offset: int):
+  """What a format's hooks read of a landing slot: the slot itself, or for row-scaled
+  formats its rows from the data on (``offset``: :meth:`DecodeStatics.landing_offsets`),
+  ``(T, data + 4)``: the data, then the scale."""
+  if not st.ops.row_scaled:
+    return slot_ref
+  return slot_ref.at[:, pl.ds(offset, st.ops.landing_cols(st.geo.head_size) - 12)]
 
 
 def _write_rows(refs: _Refs, acc, l, rows, c0, ot_smem, out_smem, p_smem, st: DecodeStatics):
@@ -333,15 +314,18 @@ def _write_rows(refs: _Refs, acc, l, rows, c0, ot_smem, out_smem, p_smem, st: De
 
 
 def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, *,
-                st: DecodeStatics, v_factors=None, sinks=None, out_dtype=None, layer=None):
+                st: DecodeStatics, v_factors=None, sinks=None, out_dtype=None, layer=None,
+                q_sums=None):
   """Launch the kernel: one CUDA block per (KV head, query row, split).
 
   query_start_loc: int32 ``[S+1]`` (each sequence has at most one query row: a decode
   batch); seq_lens: int32 ``[S]`` keys of each sequence (clipped to ``[0, capacity]``);
   block_table_flat: int32 ``[S * max_blocks]`` (row s: that sequence's block ids); factors:
   float32 ``[H]``, softmax scale x K scale x log2(e) per KV head; q: ``[R, Hq', D]`` query
-  rows in the compute dtype (Hq' >= Hq: :func:`.decode.padded_heads`); cache: the physical
-  cache (layered with ``st.layer_axis``: then layer, int32 ``[1]``, the layer read). Rows of
+  rows in the compute dtype and the format's order (Hq' >= Hq: :func:`.decode.padded_heads`);
+  cache: the physical cache, or the row-scaled formats' view (:func:`.decode.cache_view`);
+  layered with ``st.layer_axis``: then layer, int32 ``[1]``, the layer read. q_sums: float32
+  ``[R, k, Hq']``, the format's per-query sums (``ops.q_sums``) where it takes them. Rows of
   no sequence read no key.
 
   Partials (``st.finish`` False): returns the unnormalized partials, one per split: acc
@@ -370,19 +354,20 @@ def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, 
   # memory: the same dtype and D); V^T P^T reads V and P^T with the swizzle of P^T's rows
   # (16 query columns).
   pv_swizzle = ncol * np.dtype(ops.compute).itemsize
-  smem = (tiled((ncol, d), ops.compute),
+  smem = (tiled((ncol, d), ops.compute, ops.q_swizzle(d)),
           ops.landing(geo.stages, t_keys, d, tiled),
           ops.landing(geo.stages, t_keys, d, tiled),
           tiled((t_keys, d), ops.compute, pv_swizzle),
           tiled((t_keys, ncol), ops.compute, pv_swizzle),
           *_epilogue_buffers(st, tiled, pv_swizzle, out_dtype),
           tiled((t_keys, d), ops.compute) if st.interpret and ops.k_in_registers else None)
-  kv_bars = plgpu.Barrier(num_arrivals=geo.pieces_per_step, num_barriers=geo.stages)
+  kv_bars = plgpu.Barrier(num_arrivals=st.copies_per_step, num_barriers=geo.stages)
   free_bars = plgpu.Barrier(num_arrivals=1, num_barriers=geo.stages)
   f32 = jnp.float32
   layered = st.layer_axis is not None
-  tail_names = ("q", "cache") + (("layer",) if layered else ())
-  tail = (q, cache) + ((layer,) if layered else ())
+  sums = st.ops.num_q_sums > 0
+  tail_names = ("q", "cache") + (("qsums",) if sums else ()) + (("layer",) if layered else ())
+  tail = (q, cache) + ((q_sums,) if sums else ()) + ((layer,) if layered else ())
   if st.finish:
     names = ("qsl", "lens", "bt", "fac", "vfac") + (("sinks",) if st.sinks else ()) + (
         tail_names + ("out",))

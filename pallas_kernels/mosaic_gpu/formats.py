@@ -24,6 +24,8 @@ float16 on its way to the V buffer (every e4m3 / e5m2 value is exact in float16;
 is one instruction per two values on Hopper). Queries go to float16 too (saturating): one
 operand-dtype rule for every GPU kernel, :func:`pallas_kernels.common.compute_dtype`. The
 global K / V scales come from the codec (:meth:`kvjax.codecs.Codec.tensor_scales`).
+Formats with a scale per (token, head) row (int8 / fp8 / int4 per token-head) have their
+hooks in :mod:`.row_formats`.
 """
 from __future__ import annotations
 
@@ -64,6 +66,11 @@ class Operands:
 
   #: Swizzle (bytes) of the landing slots; None = the widest that fits.
   landing_swizzle: ClassVar[Optional[int]] = None
+  #: Whether each side row ends in a float32 scale the kernel reads per key (the V scales
+  #: multiply the softmax weights: the kernel waits for a step's V copy before storing them).
+  row_scaled: ClassVar[bool] = False
+  #: How many per-query sums :meth:`scale_scores` takes (:meth:`q_sums`).
+  num_q_sums: ClassVar[int] = 0
   #: Whether :meth:`k_operand` gives registers (Mosaic GPU interpret mode takes no register
   #: wgmma operand: the kernel then stores them to a buffer first).
   k_in_registers: ClassVar[bool] = False
@@ -73,9 +80,55 @@ class Operands:
     a buffer wgmma reads (``swizzle`` None: the widest that fits)."""
     return tiled((stages, rows, cols), self.storage, self.landing_swizzle)
 
+  def landing_cols(self, head_size: int) -> int:
+    """Storage elements of a landing slot's row (what one side row's TMA copy moves)."""
+    return head_size
+
   def k_operand(self, slot_ref):
     """K of a step as the A operand of ``S^T = K q^T``: a ``(T, D)`` ref or registers."""
     return slot_ref
+
+  def score_operands(self, slot_ref, q_smem):
+    """The wgmma operand pairs ``(A, B)`` whose products sum to ``S^T`` of a step (before
+    scales): ``K q^T``, A a ``(T, k)`` ref or registers, B ``(k, 16)``."""
+    return ((self.k_operand(slot_ref), q_smem.transpose((1, 0))),)
+
+  def q_sums(self, q_op):
+    """float32 ``[..., num_q_sums, Hq]``: per-query sums of :meth:`q_operand`'s rows that
+    :meth:`scale_scores` takes (None: none)."""
+    return None
+
+  def q_swizzle(self, head_size: int) -> Optional[int]:
+    """Swizzle (bytes) of the q buffer wgmma reads (None: the widest that fits)."""
+    return None
+
+  def scale_scores(self, sc, slot_ref, factor, q_sums):
+    """``S^T`` (float32 ``(T, 16)``, WGMMA layout) in the log2 domain: times ``factor`` (softmax
+    scale x log2 e x the K tensor scale); q_sums: :meth:`q_sums` of the query columns, each
+    ``(16,)``."""
+    return sc * factor
+
+  def value_weights(self, p, slot_ref, visible):
+    """What ``V^T P^T`` takes as ``P^T`` (float32 ``(T, 16)``): the softmax weights; visible:
+    bool ``(T, 16)``, the keys the query sees."""
+    return p
+
+  def value_state(self, shape):
+    """Per-thread state the format carries through the key loop (None: none)."""
+    return None
+
+  def next_value_state(self, state, alpha, weights, slot_ref):
+    """The state after a step: ``alpha`` ``(16,)`` rescales it, ``weights`` as stored."""
+    return state
+
+  def finish_values(self, acc, state):
+    """``O^T`` (float32 ``(D, 16)``) from the accumulator and the state."""
+    return acc
+
+  def output(self, out):
+    """The kernel's output ``[..., D]`` in the head dim's order (formats whose kernel
+    computes in another order put it back)."""
+    return out
 
   def v_values(self, slot_ref):
     """V of a step in the compute dtype, in the WGMMA register layout."""

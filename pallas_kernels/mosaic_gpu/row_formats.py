@@ -1,0 +1,229 @@
+"""Mosaic GPU hooks (:mod:`.formats`) of the formats with a float32 scale per (token, head)
+side row: int8 / fp8 per token-head (:class:`RowScaledOperands`) and int4 per token-head
+(:class:`Int4Operands`).
+
+A side row ``[data | scale]`` sits 4, 8 or 12 bytes off a 16-byte boundary, and a TMA box
+must start on one: each row lands untiled (no swizzle) from the boundary at or before it,
+``data + SCALE_BOX`` bytes with its scale, and the kernel hands the hooks the slot's rows from
+the data on, ``(T, data + 4)`` (:func:`.decode_kernel._landed`). The kernel copies from a
+view of the cache whose rows are 16 bytes apart (:func:`.decode.cache_view`). Scales apply
+once per key: the K scale to the key's score, the V scale to its softmax weight (0 for keys
+the query does not see: stale scale bytes may be NaN).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.common import compute_dtype
+from pallas_kernels.mosaic_gpu.formats import Fp8Operands
+
+#: Bytes a side row's copy moves besides its data: up to 12 before it (from the 16-byte
+#: boundary), its scale and the rest, in all a multiple of 16 as TMA wants. Rows of
+#: ``data + 16`` bytes in shared memory are 16 bytes apart mod 128, so the 8 rows a warp's
+#: 4-byte loads reach fall on different banks.
+SCALE_BOX = 16
+#: Largest landing row: a TMA box is at most 256 elements wide.
+MAX_BOX = 256
+
+
+def _mgpu():
+  from jax import lax   # noqa: PLC0415
+  from jax.experimental import pallas as pl   # noqa: PLC0415
+  from jax.experimental.pallas import mosaic_gpu as plgpu   # noqa: PLC0415
+  from pallas_kernels.mosaic_gpu.compat import load_whole   # noqa: PLC0415
+  return lax, pl, plgpu, load_whole
+
+
+@dataclasses.dataclass(frozen=True)
+class RowScaledOperands(Fp8Operands):
+  """int8 / fp8 values, each side row ending in its float32 scale.
+
+  The stored bytes are the values' bits (``values``: int8, or e4m3 stored as uint8); they
+  convert to the compute dtype of every GPU kernel (float16: every value is exact in it).
+  """
+  row_scaled: ClassVar[bool] = True
+  values: Optional[np.dtype] = None
+
+  @classmethod
+  def of(cls, spec, q_dtype) -> "RowScaledOperands":
+    return cls(storage=np.dtype(spec.storage_dtype),
+               compute=compute_dtype(spec.codec, spec.storage_dtype, q_dtype),
+               values=np.dtype(spec.codec.quant))
+
+  @classmethod
+  def reason(cls, spec, q_dtype) -> Optional[str]:
+    why = super().reason(spec, q_dtype)
+    if why is None and spec.data_dim + SCALE_BOX > MAX_BOX:
+      why = (f"head_size={spec.head_size}: a side row lands as one TMA box of its "
+             f"{spec.data_dim} data bytes + {SCALE_BOX} <= {MAX_BOX}")
+    return why
+
+  def data_cols(self, head_size: int) -> int:
+    """Stored bytes of a side row's data."""
+    return head_size
+
+  def landing(self, stages: int, rows: int, cols: int, tiled):
+    from jax.experimental.pallas import mosaic_gpu as plgpu   # noqa: PLC0415
+    return plgpu.SMEM((stages, rows, self.landing_cols(cols)), self.storage)
+
+  def landing_cols(self, head_size: int) -> int:
+    return self.data_cols(head_size) + SCALE_BOX
+
+  @staticmethod
+  def _data(rows_ref):
+    """The ``(T, data)`` bytes of a slot's rows (the scale's 4 bytes follow them)."""
+    _, pl, _, _ = _mgpu()
+    return rows_ref.at[:, pl.ds(0, rows_ref.shape[1] - 4)]
+
+  def _convert(self, rows_ref):
+    lax, _, plgpu, load_whole = _mgpu()
+    x = load_whole(self._data(rows_ref), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    if x.dtype != self.values:
+      x = lax.bitcast_convert_type(x, self.values)
+    return plgpu.layout_cast(x.astype(self.compute), plgpu.Layout.WGMMA)
+
+  def k_operand(self, slot_ref):
+    return self._convert(slot_ref)
+
+  def v_values(self, slot_ref):
+    return self._convert(slot_ref)
+
+  @staticmethod
+  def row_words(rows_ref):
+    """int32 ``(T,)``: the 4 bytes of each key's scale (the layout of a WGMMA row
+    reduction). The 16 bytes ending in each row's scale go to registers; each thread puts
+    its bytes of the scale in place and the row's four are summed (disjoint bits)."""
+    lax, pl, plgpu, load_whole = _mgpu()
+    layout = plgpu.Layout.WGMMA
+    window = rows_ref.at[:, pl.ds(rows_ref.shape[1] - 16, 16)]
+    raw = load_whole(window, layout=layout, optimized=False)
+    byte = raw.astype(jnp.int32) & 0xFF       # the byte, whether int8 or uint8 is stored
+    cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (rows_ref.shape[0], 16), 1),
+                             layout)
+    word = jnp.where(cols >= 12, lax.shift_left(byte, jnp.maximum(cols - 12, 0) * 8), 0)
+    return word.sum(axis=1)
+
+  def row_scales(self, rows_ref):
+    """float32 ``(T,)`` scale of each key of a slot (WGMMA row-reduction layout)."""
+    lax, _, _, _ = _mgpu()
+    return lax.bitcast_convert_type(self.row_words(rows_ref), jnp.float32)
+
+  def scale_scores(self, sc, slot_ref, factor, q_sums):
+    lax, _, _, _ = _mgpu()
+    scale = self.row_scales(slot_ref) * factor
+    return sc * lax.broadcast_in_dim(scale, sc.shape, [0])
+
+  def value_weights(self, p, slot_ref, visible):
+    lax, _, _, _ = _mgpu()
+    scale = lax.broadcast_in_dim(self.row_scales(slot_ref), p.shape, [0])
+    return jnp.where(visible, p * scale, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Operands(RowScaledOperands):
+  """int4 codes two a byte (low nibble: the even element), each side row ending in its
+  scale with the zero point in its 4 low bits: value = ``(code - zp) * scale``.
+
+  The kernel computes in the order ``[even dims | odd dims]`` (:meth:`output` puts the dims
+  back). A byte's nibbles come out with one mask each (8-bit registers take no shifts): the
+  low nibble as ``n``, the high one as ``16 n`` (exact in float16), so q's odd half comes
+  divided by 16 (exact) and the odd half of ``O^T`` is divided by 16 at the end. Zero points
+  come out of the products: ``s_t = scale_t (S_t - zp_t sum(q))`` (the query's sum, once a
+  call: :meth:`q_sums`), and ``O^T`` loses ``sum_t zp_t w_t`` per query column (a
+  per-thread sum carried through the key loop).
+  """
+  num_q_sums: ClassVar[int] = 1
+
+  @classmethod
+  def of(cls, spec, q_dtype) -> "Int4Operands":
+    return cls(storage=np.dtype(spec.storage_dtype),
+               compute=compute_dtype(spec.codec, spec.storage_dtype, q_dtype),
+               values=np.dtype(np.uint8))
+
+  def data_cols(self, head_size: int) -> int:
+    return head_size // 2
+
+  def q_swizzle(self, head_size: int) -> Optional[int]:
+    return min(128, head_size * self.compute.itemsize // 2)   # a half's rows, up to 128
+
+  def q_operand(self, q):
+    """q ``[..., D]`` as the kernel reads it: ``[even dims | odd dims / 16]``, compute dtype."""
+    q = super().q_operand(q)
+    return jnp.concatenate([q[..., 0::2], q[..., 1::2] * (1 / 16)], axis=-1).astype(q.dtype)
+
+  def q_sums(self, q_op):
+    """float32 ``[..., 1, Hq]``: the sum of each query (of :meth:`q_operand`'s rows)."""
+    x = q_op.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    return (x[..., :half].sum(-1) + 16 * x[..., half:].sum(-1))[..., None, :]
+
+  def output(self, out):
+    d = out.shape[-1]
+    back = np.empty(d, np.int32)
+    back[0::2] = np.arange(d // 2)
+    back[1::2] = d // 2 + np.arange(d // 2)
+    return out[..., back]
+
+  def _codes(self, rows_ref):
+    """A slot's ``(n_low, 16 n_high)``, ``(T, D / 2)`` each in the compute dtype."""
+    _, _, plgpu, load_whole = _mgpu()
+    x = load_whole(self._data(rows_ref), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    return tuple(plgpu.layout_cast((x & jnp.uint8(mask)).astype(self.compute),
+                                   plgpu.Layout.WGMMA) for mask in (0x0F, 0xF0))
+
+  def score_operands(self, slot_ref, q_smem):
+    _, pl, _, _ = _mgpu()
+    lo, hi = self._codes(slot_ref)
+    half = lo.shape[1]
+    return ((lo, q_smem.at[:, pl.ds(0, half)].transpose((1, 0))),
+            (hi, q_smem.at[:, pl.ds(half, half)].transpose((1, 0))))
+
+  def _scale_and_zero(self, rows_ref):
+    lax, _, _, _ = _mgpu()
+    bits = self.row_words(rows_ref)
+    scale = lax.bitcast_convert_type(bits & ~15, jnp.float32)
+    return scale, (bits & 15).astype(jnp.float32)
+
+  def scale_scores(self, sc, slot_ref, factor, q_sums):
+    lax, _, _, _ = _mgpu()
+    scale, zero = self._scale_and_zero(slot_ref)
+    rows = lambda x: lax.broadcast_in_dim(x, sc.shape, [0])
+    (q_sum,) = q_sums
+    return (sc - rows(zero) * lax.broadcast_in_dim(q_sum, sc.shape, [1])) * rows(scale * factor)
+
+  def value_weights(self, p, slot_ref, visible):
+    lax, _, _, _ = _mgpu()
+    scale, _ = self._scale_and_zero(slot_ref)
+    w = jnp.where(visible, p * lax.broadcast_in_dim(scale, p.shape, [0]), 0.0)
+    return w.astype(self.compute).astype(jnp.float32)     # as the V product reads them
+
+  def value_state(self, shape):
+    _, _, plgpu, _ = _mgpu()
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+  def next_value_state(self, state, alpha, weights, slot_ref):
+    lax, _, _, _ = _mgpu()
+    _, zero = self._scale_and_zero(slot_ref)
+    return (state * lax.broadcast_in_dim(alpha, state.shape, [1])
+            + weights * lax.broadcast_in_dim(zero, state.shape, [0]))
+
+  def finish_values(self, acc, state):
+    lax, _, plgpu, _ = _mgpu()
+    dims = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, acc.shape, 0), plgpu.Layout.WGMMA)
+    odd = dims >= acc.shape[0] // 2
+    return (jnp.where(odd, acc * (1 / 16), acc)
+            - lax.broadcast_in_dim(state.sum(axis=0), acc.shape, [1]))
+
+  def prepare_v(self, slot_ref, v_ref, keep_row, commit):
+    """V's codes into the V buffer as ``[low | 16 high]`` halves (codes are finite: hidden
+    keys need no zeroing, their weights are 0)."""
+    _, pl, _, _ = _mgpu()
+    lo, hi = self._codes(slot_ref)
+    half = lo.shape[1]
+    v_ref.at[:, pl.ds(0, half)][...] = lo
+    v_ref.at[:, pl.ds(half, half)][...] = hi
+    commit()
