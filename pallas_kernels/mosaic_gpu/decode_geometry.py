@@ -54,10 +54,6 @@ class DecodeGeometry:
     """Tokens per TMA copy (:func:`.tiles.copy_piece`)."""
     return copy_piece(self.block_size, self.block_kv)
 
-  @property
-  def pieces_per_step(self) -> int:
-    return self.block_kv // self.piece
-
   def col_offset(self, head: int) -> int:
     """Column of head ``head``'s first query in S^T (its rows start on 8-row tiles)."""
     return (head * self.group) % ALIGN_ROWS

@@ -165,8 +165,7 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
       if ops.row_scaled:           # the weights take the V scales: wait for V first
         plgpu.barrier_wait(v_bars.at[slot])
-      weights = ops.value_weights(p, v_rows_ref, visible)
-      v_state = ops.next_value_state(v_state, alpha, weights, v_rows_ref)
+      weights, v_state = ops.value_weights(p, v_rows_ref, visible, alpha, v_state)
       p_smem[...] = weights.astype(ops.compute)
       plgpu.commit_smem()          # generic-proxy stores visible to wgmma (async proxy)
 
@@ -282,7 +281,7 @@ def _landed(slot_ref, st: DecodeStatics, offset: int):
   ``(T, data + 4)``: the data, then the scale."""
   if not st.ops.row_scaled:
     return slot_ref
-  return slot_ref.at[:, pl.ds(offset, st.ops.landing_cols(st.geo.head_size) - 12)]
+  return slot_ref.at[:, pl.ds(offset, st.ops.data_cols(st.geo.head_size) + 4)]
 
 
 def _write_rows(refs: _Refs, acc, l, rows, c0, ot_smem, out_smem, p_smem, st: DecodeStatics):

@@ -108,18 +108,15 @@ class Operands:
     ``(16,)``."""
     return sc * factor
 
-  def value_weights(self, p, slot_ref, visible):
-    """What ``V^T P^T`` takes as ``P^T`` (float32 ``(T, 16)``): the softmax weights; visible:
-    bool ``(T, 16)``, the keys the query sees."""
-    return p
-
   def value_state(self, shape):
     """Per-thread state the format carries through the key loop (None: none)."""
     return None
 
-  def next_value_state(self, state, alpha, weights, slot_ref):
-    """The state after a step: ``alpha`` ``(16,)`` rescales it, ``weights`` as stored."""
-    return state
+  def value_weights(self, p, slot_ref, visible, alpha, state):
+    """``(weights, state)`` of a step: what ``V^T P^T`` takes as ``P^T`` (float32 ``(T, 16)``:
+    the softmax weights ``p``; visible: bool ``(T, 16)``, the keys the query sees), and the
+    format's state after the step (``alpha`` ``(16,)`` rescales it)."""
+    return p, state
 
   def finish_values(self, acc, state):
     """``O^T`` (float32 ``(D, 16)``) from the accumulator and the state."""

@@ -117,10 +117,10 @@ class RowScaledOperands(Fp8Operands):
     scale = self.row_scales(slot_ref) * factor
     return sc * lax.broadcast_in_dim(scale, sc.shape, [0])
 
-  def value_weights(self, p, slot_ref, visible):
+  def value_weights(self, p, slot_ref, visible, alpha, state):
     lax, _, _, _ = _mgpu()
     scale = lax.broadcast_in_dim(self.row_scales(slot_ref), p.shape, [0])
-    return jnp.where(visible, p * scale, 0.0)
+    return jnp.where(visible, p * scale, 0.0), state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,21 +195,17 @@ class Int4Operands(RowScaledOperands):
     (q_sum,) = q_sums
     return (sc - rows(zero) * lax.broadcast_in_dim(q_sum, sc.shape, [1])) * rows(scale * factor)
 
-  def value_weights(self, p, slot_ref, visible):
-    lax, _, _, _ = _mgpu()
-    scale, _ = self._scale_and_zero(slot_ref)
-    w = jnp.where(visible, p * lax.broadcast_in_dim(scale, p.shape, [0]), 0.0)
-    return w.astype(self.compute).astype(jnp.float32)     # as the V product reads them
-
   def value_state(self, shape):
     _, _, plgpu, _ = _mgpu()
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
-  def next_value_state(self, state, alpha, weights, slot_ref):
+  def value_weights(self, p, slot_ref, visible, alpha, state):
     lax, _, _, _ = _mgpu()
-    _, zero = self._scale_and_zero(slot_ref)
-    return (state * lax.broadcast_in_dim(alpha, state.shape, [1])
-            + weights * lax.broadcast_in_dim(zero, state.shape, [0]))
+    scale, zero = self._scale_and_zero(slot_ref)
+    rows = lambda x: lax.broadcast_in_dim(x, p.shape, [0])
+    w = jnp.where(visible, p * rows(scale), 0.0)
+    w = w.astype(self.compute).astype(jnp.float32)     # as the V product reads them
+    return w, state * lax.broadcast_in_dim(alpha, p.shape, [1]) + w * rows(zero)
 
   def finish_values(self, acc, state):
     lax, _, plgpu, _ = _mgpu()
