@@ -69,6 +69,8 @@ def test_geometry_rejects_what_the_kernel_cannot_tile():
     DG.DecodeGeometry(4, 16, 128, block_kv=128)
   with pytest.raises(ValueError, match="stages=1"):
     DG.DecodeGeometry(4, 16, 128, stages=1)
+  with pytest.raises(ValueError, match="round_steps=3"):
+    DG.DecodeGeometry(4, 16, 128, round_steps=3)
   with pytest.raises(ValueError, match="block_size=20"):   # copies of gcd(20, 64) = 4 tokens
     DG.DecodeGeometry(4, 20, 128)
   assert DG.DecodeGeometry(4, 24, 128).piece == 8
@@ -130,6 +132,28 @@ def test_row_scaled_view_keeps_tma_strides_16_byte_aligned(layout, h, tokens_per
     decode_statics(spec, BF16, 4, 4 * h, 4, 8, 32, layered=True)
 
 
+def test_round_steps_cover_each_key_once():
+  """A round's steps read every key of its span once: T consecutive keys a step (one token a
+  view row) or the tokens of one parity (two); two-token rows need two steps a round."""
+  from pallas_kernels.mosaic_gpu.decode import decode_statics
+  cases = [("bfloat16", "NHD", 2, 1), ("bfloat16", "NHD", 2, 2),
+           ("int8_per_token_head", "HND", 2, 2), ("int4_per_token_head", "NHD", 2, 1)]
+  for fmt, layout, h, u in cases:
+    spec = kvjax.KVCacheSpec(h, 128, 16, fmt, layout=layout)
+    geo = DG.DecodeGeometry(4, 16, 128, stages=2, round_steps=u)
+    st = decode_statics(spec, BF16, 4, 4 * h, 4, 8, 32, geometry=geo)
+    keys = sorted(st.key_offset(j) + st.tokens_per_row * t
+                  for j in range(u) for t in range(geo.block_kv))
+    assert keys == list(range(st.span)), (fmt, layout, u)
+    assert st.step_span == geo.block_kv * st.tokens_per_row
+    assert st.copies_per_step * st.piece == st.step_span
+  two_tokens = kvjax.KVCacheSpec(2, 128, 16, "int8_per_token_head", layout="HND")
+  with pytest.raises(ValueError, match="round_steps=1"):
+    decode_statics(two_tokens, BF16, 4, 8, 4, 8, 32,
+                   geometry=DG.DecodeGeometry(4, 16, 128, round_steps=1))
+  assert decode_statics(two_tokens, BF16, 4, 8, 4, 8, 32).geo.round_steps == 2
+
+
 def test_landing_offsets_follow_each_rows_byte_offset():
   """A TMA box starts on 16 bytes: a side row lands as far into its slot row as it sits
   past the boundary before it, which the kernel knows statically per head parity (NHD) and
@@ -173,13 +197,10 @@ def test_auto_rule_for_decode_batches():
   assert MA._decode_kernel_reason(plain, BF16, 64, 64, 32, 1) is None
   assert "not a decode batch" in MA._decode_kernel_reason(plain, BF16, 65, 64, 32, 1)
   assert "not a decode batch" in MA._decode_kernel_reason(plain, BF16, 64, 64, 32, None)
-  # integer row formats go to the ragged kernel until their direct reads run compiled
-  fp8_rows = kvjax.KVCacheSpec(8, 128, 16, "fp8_per_token_head")
-  assert MA._decode_kernel_reason(fp8_rows, BF16, 64, 64, 32, 1) is None
-  for fmt in ("int8_per_token_head", "int4_per_token_head"):
-    why = MA._decode_kernel_reason(kvjax.KVCacheSpec(8, 128, 16, fmt), BF16, 64, 64, 32, 1)
-    assert (why is None) == MT.DECODE_INTEGER_ROWS
-    assert why is None or "DECODE_INTEGER_ROWS" in why
+  # every per-token-head row format decodes with the decode kernel's direct reads
+  for fmt in ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"):
+    spec = kvjax.KVCacheSpec(8, 128, 16, fmt)
+    assert MA._decode_kernel_reason(spec, BF16, 64, 64, 32, 1) is None
 
 
 # -- lowering for CUDA -------------------------------------------------------------------------
@@ -249,6 +270,9 @@ NUMERICS_CASES = [
                                                                finish=True)),
     ("fp8_per_token_head", "HND", 2, 7, 64, 16, [65, 129, 0], dict(sinks=True, finish=True)),
     ("fp8_per_token_head", "NHD", 3, 1, 64, 48, [97, 3], dict(num_splits=3)),
+    # rounds of two steps (one softmax update): one token a view row, register K (fp8)
+    ("fp8", "NHD", 2, 4, 64, 16, [1, 70, 0, 130], dict(num_splits=2, round_steps=2,
+                                                       sliding_window=40)),
     # int4 codes: zero points out of the products, dims in the kernel's order and back
     ("int4_per_token_head", "NHD", 3, 4, 128, 16, [1, 70, 0, 130], dict(num_splits=2,
                                                                        soft_cap=5.0)),
@@ -314,11 +338,16 @@ def test_kernel_matches_reference(rng, cache_dtype, layout, h, group, head_size,
   q = jnp.asarray(rng.standard_normal((kw.pop("rows", len(lens)), h * group, head_size)),
                   dtype)
   kw = dict(kw, scale=head_size ** -0.5, k_scale=scales, v_scale=scales)
+  geometry = None
+  if "round_steps" in kw:
+    geometry = DG.DecodeGeometry(group, block_size, head_size, stages=3,
+                                 round_steps=kw.pop("round_steps"))
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray(rng.standard_normal(h * group), jnp.float32)
   meta = dict(seq_lens=jnp.asarray(lens, jnp.int32), block_table=jnp.asarray(bt))
   out = np.asarray(paged_decode_attention(q, cache, spec, interpret=not COMPILED,
-                                          query_start_loc=qsl, **meta, **kw),
+                                          query_start_loc=qsl, geometry=geometry, **meta,
+                                          **kw),
                    np.float32)
   kw.pop("num_splits", None)
   kw.pop("finish", None)

@@ -1,16 +1,13 @@
 """The Mosaic GPU implementation of ``kvjax.unified_attention``: the decode or the ragged kernel.
 
 A pure decode batch (static ``max_query_len == 1`` and ``T == S``) of a format with Mosaic GPU
-hooks (:mod:`.formats`, :mod:`.row_formats`: plain bf16 / f16, fp8 per tensor, fp8 per
-token-head; int8 / int4 per token-head with :data:`.tuning.DECODE_INTEGER_ROWS`) and a GQA
-group whose queries fit the kernel's 16 query columns takes the decode kernel
-(:mod:`.decode`); everything else the
-ragged kernel (:mod:`.ragged_attention`, quantized formats through a plain copy of the pages).
+hooks (:mod:`.formats`, :mod:`.row_formats`: plain bf16 / f16, fp8 per tensor, int8 / fp8 /
+int4 per token-head) and a GQA group whose queries fit the kernel's 16 query columns takes
+the decode kernel (:mod:`.decode`); everything else the ragged kernel
+(:mod:`.ragged_attention`, quantized formats through a plain copy of the pages).
 :func:`prefer_attention` is the measured rule that says where ``auto`` takes either.
 """
 from __future__ import annotations
-
-import numpy as np
 
 from kvjax import ragged_batch as RB
 from pallas_kernels.mosaic_gpu import ragged_attention as R
@@ -28,16 +25,7 @@ def _decode_kernel_reason(spec, q_dtype, num_tokens, num_seqs, num_q_heads, max_
   """None when a call is a decode batch the decode kernel runs, else why not."""
   if not RB.is_decode_batch(num_tokens, num_seqs, max_query_len):
     return "not a decode batch (static max_query_len == 1, one query per sequence)"
-  if _integer_rows(spec.codec) and not MT.DECODE_INTEGER_ROWS:
-    return (f"cache_dtype={spec.cache_dtype!r}: the decode kernel's integer row reads await a "
-            "compiled check (tuning.DECODE_INTEGER_ROWS)")
   return decode_reason(spec, q_dtype, num_q_heads // spec.num_kv_heads)
-
-
-def _integer_rows(codec) -> bool:
-  """Whether a codec stores integer values with a scale per row (int8 / int4 per token-head)."""
-  return codec.has_row_scales and (isinstance(codec.quant, str)
-                                   or np.issubdtype(np.dtype(codec.quant), np.integer))
 
 
 def prefer_attention(spec, q_dtype, call):

@@ -70,7 +70,10 @@ def decode_statics(spec: KVCacheSpec, q_dtype, num_rows: int, num_heads: int,
     num_splits = 1
   splits = int(num_splits or DG.num_splits_for(num_rows, h, steps, num_sms or MT.num_sms()))
   finish = splits == 1 if finish is None else bool(finish)
-  geo = geometry or DG.choose_geometry(ops, g, spec.block_size, spec.head_size, finish=finish)
+  row_view = _row_view(spec) if ops.row_scaled else {}
+  geo = geometry or DG.choose_geometry(
+      ops, g, spec.block_size, spec.head_size, finish=finish,
+      round_steps=max(row_view.get("tokens_per_row", 1), MT.DECODE_ROUND_STEPS))
   if geo.smem_bytes(ops, finish) > DG.SMEM_BUDGET:
     raise ValueError(f"geometry {geo} needs {geo.smem_bytes(ops, finish)} bytes of shared "
                      f"memory; the budget is {DG.SMEM_BUDGET}")
@@ -80,8 +83,7 @@ def decode_statics(spec: KVCacheSpec, q_dtype, num_rows: int, num_heads: int,
       window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap), interpret=bool(interpret),
       finish=finish, sinks=bool(sinks) and finish,
-      layer_axis=spec.layer_axis if layered else None,
-      **(_row_view(spec) if ops.row_scaled else {}))
+      layer_axis=spec.layer_axis if layered else None, **row_view)
 
 
 def _row_view(spec: KVCacheSpec) -> dict:

@@ -27,8 +27,9 @@ class DecodeGeometry:
   """Static shape of one decode call.
 
   group: G, query heads per KV head. block_size: N, tokens per page. head_size: D.
-  block_kv: keys per step (wgmma M of ``S^T``). cols: query columns (wgmma N).
-  stages: K/V slots.
+  block_kv: keys per step (wgmma M of ``S^T``, the keys of one K/V slot). cols: query
+  columns (wgmma N). stages: K/V slots. round_steps: steps of one softmax update (1 or 2):
+  the round's scores share one running-max reduction and its values one ``V^T P^T`` product.
   """
   group: int
   block_size: int
@@ -36,6 +37,7 @@ class DecodeGeometry:
   block_kv: int = 64
   cols: int = 16
   stages: int = 3
+  round_steps: int = 1
 
   def __post_init__(self):
     why = head_size_reason(self.head_size)
@@ -43,8 +45,10 @@ class DecodeGeometry:
       raise ValueError(why)
     if self.block_kv != 64:
       raise ValueError(f"block_kv={self.block_kv} must be 64 (the wgmma M of S^T)")
-    if self.stages < 2:
-      raise ValueError(f"stages={self.stages} must be >= 2")
+    if self.round_steps not in (1, 2):
+      raise ValueError(f"round_steps={self.round_steps} must be 1 or 2")
+    if self.stages < max(2, self.round_steps):
+      raise ValueError(f"stages={self.stages} must be >= 2 and >= round_steps")
     if self.piece % ALIGN_ROWS:
       raise ValueError(f"block_size={self.block_size}: K/V copies of gcd(block_size, 64) = "
                        f"{self.piece} tokens must be a multiple of {ALIGN_ROWS}")
@@ -65,9 +69,9 @@ class DecodeGeometry:
     t, d = self.block_kv, self.head_size
     compute = np.dtype(ops.compute).itemsize
     land = 2 * self.stages * t * ops.landing_cols(d) * np.dtype(ops.storage).itemsize
-    v = t * d * compute
+    v = self.round_steps * t * d * compute
     q = self.cols * d * compute
-    p = t * self.cols * compute
+    p = self.round_steps * t * self.cols * compute
     out = d * self.cols * compute + t * d * 2 if finish else (d + 2) * self.cols * 4
     return land + v + q + p + out + MOSAIC_RESERVED
 
@@ -90,10 +94,11 @@ def group_reason(group: int, num_kv_heads: int, cols: int = 16) -> Optional[str]
 
 
 def choose_geometry(ops: Operands, group: int, block_size: int, head_size: int,
-                    max_stages: int = 8, finish: bool = False) -> DecodeGeometry:
+                    max_stages: int = 8, finish: bool = False,
+                    round_steps: int = 1) -> DecodeGeometry:
   """The most K/V slots (2 to ``max_stages``) with which :data:`BLOCKS_PER_SM` blocks fit in
   an SM's shared memory (``finish``: :meth:`DecodeGeometry.smem_bytes`)."""
-  best = DecodeGeometry(group, block_size, head_size, stages=2)
+  best = DecodeGeometry(group, block_size, head_size, stages=2, round_steps=round_steps)
   for stages in range(3, max_stages + 1):
     geo = dataclasses.replace(best, stages=stages)
     if geo.smem_bytes(ops, finish) * BLOCKS_PER_SM > SMEM_BUDGET:
@@ -136,8 +141,8 @@ class DecodeStatics:
                                      # from an int32 [1] operand (one program for every layer)
   # Row-scaled formats (ops.row_scaled) read the cache through a view of rows of r =
   # tokens_per_row tokens (decode.cache_view): (B, N / r, r * H * C) for NHD, (B, H, N / r,
-  # r * C) for HND, r = 2 where one token's rows are not 16 bytes apart (TMA's stride rule);
-  # side_dim: P, bytes of a side row; content_dim: C = 2 P.
+  # r * C) for HND, r = 2 where one token's rows are not 16 bytes apart (TMA's stride rule;
+  # then geo.round_steps is 2); side_dim: P, bytes of a side row; content_dim: C = 2 P.
   tokens_per_row: int = 1
   side_dim: int = 0
   content_dim: int = 0
@@ -151,6 +156,9 @@ class DecodeStatics:
     if self.ops.row_scaled and self.layer_axis is not None:
       raise ValueError("a layered cache of a row-scaled format: the decode kernel reads one "
                        "layer's cache")
+    if self.geo.round_steps % self.tokens_per_row:
+      raise ValueError(f"rows of {self.tokens_per_row} tokens: a round's steps take one token "
+                       f"parity each, round_steps={self.geo.round_steps} must be a multiple")
 
   @property
   def capacity(self) -> int:
@@ -159,20 +167,33 @@ class DecodeStatics:
 
   @property
   def span(self) -> int:
-    """Tokens of the cache one round of steps walks: ``r`` steps of T keys, step j of a
-    round holding its tokens of parity j (``r = tokens_per_row``; one step of T consecutive
-    tokens when r = 1)."""
+    """Tokens of the cache one round walks: ``u = geo.round_steps`` steps of T keys."""
+    return self.geo.block_kv * self.geo.round_steps
+
+  @property
+  def step_span(self) -> int:
+    """Tokens of the cache one step's copies read: T (``r = tokens_per_row`` = 1), or the
+    whole round of ``2 T`` (r = 2: step j of a round holds its tokens of parity j)."""
     return self.geo.block_kv * self.tokens_per_row
+
+  def key_offset(self, step: int) -> int:
+    """Step ``step``'s first key past the round's first; its row t holds key
+    ``key_offset(step) + r * t``."""
+    return step if self.tokens_per_row == 2 else step * self.geo.block_kv
+
+  def step_parity(self, step: int) -> int:
+    """The token parity a round's step ``step`` reads of each view row (0 when r = 1)."""
+    return step % self.tokens_per_row
 
   @property
   def piece(self) -> int:
-    """Tokens of a round one copy reads from (a page, or the part of it the round holds)."""
-    return copy_piece(self.geo.block_size, self.span)
+    """Tokens one copy reads from: a page, or the part of it a step's span holds."""
+    return copy_piece(self.geo.block_size, self.step_span)
 
   @property
   def copies_per_step(self) -> int:
-    """TMA copies of one side per step: one per piece of the round."""
-    return self.span // self.piece
+    """TMA copies of one side per step: one per piece of its span."""
+    return self.step_span // self.piece
 
   def landing_offsets(self, head_parity: int, parity: int):
     """Static ``(K, V)`` offsets of a row-scaled format's data in its landing rows: a copy

@@ -15,21 +15,23 @@ One CUDA block per (KV head, query row, split) with two warpgroups (one consumer
 cross-warp reductions share one scratch buffer per block, so two consumer warpgroups of a
 block could not reduce at the same time; two blocks per SM fit instead):
 
-* the **producer** walks the split's key steps and, per step, reads the block ids from the
-  block table and issues one TMA copy per ``piece`` tokens for K and for V of its head into
-  ``stages`` shared-memory slots (format hooks say where copies land:
-  :mod:`pallas_kernels.mosaic_gpu.formats`); a slot is refilled once the consumer released
-  it, and the producer waits for the last releases before it exits. Formats with a scale per
-  row (:mod:`.row_formats`) copy from a view of the cache with rows of one or two tokens; with
-  two, the keys go in rounds of ``2 T`` tokens, step j of a round holding the tokens of
+* the **producer** walks the split's key steps (T keys, one K and one V slot each) and, per
+  step, reads the block ids from the block table and issues one TMA copy per ``piece``
+  tokens for K and for V of its head into ``stages`` shared-memory slots (format hooks say
+  where copies land: :mod:`pallas_kernels.mosaic_gpu.formats`); a slot is refilled once the
+  consumer released it, and the producer waits for the last releases before it exits.
+  Formats with a scale per row (:mod:`.row_formats`) copy from a view of the cache with rows
+  of one or two tokens; with two, step j of a round of ``2 T`` tokens holds the tokens of
   parity j, so that every row of a slot lands at the same offset (``landing_offsets``);
-* the **consumer**, per step, builds the K operand (format hook), computes ``S^T`` with
-  wgmma, scales (softmax scale x K scale x log2 e, one float per head; format hooks add the
-  per-key scales and zero points), soft-caps, masks keys
-  outside ``[seq_len - window, seq_len)``, updates the running max per column (a cross-warp
-  reduction) and a per-thread partial sum, stores ``P^T`` to shared memory, builds the V
-  operand (format hook; rows of masked keys set to 0: stale cache bytes may be NaN),
-  releases the slot and accumulates ``V^T P^T`` into a float32 ``(D, 16)`` accumulator.
+* the **consumer** walks rounds of ``u = geo.round_steps`` steps, one softmax update each:
+  per step it builds the K operand (format hook) and issues ``S^T``'s wgmma (the next step's
+  K is built while one runs), then scales (softmax scale x K scale x log2 e, one float per
+  head; format hooks add the per-key scales and zero points), soft-caps, masks keys outside
+  ``[seq_len - window, seq_len)``; the round updates the running max per column (one
+  cross-warp reduction) and a per-thread partial sum, stores ``P^T`` to shared memory,
+  builds each step's V operand (format hook; rows of masked keys set to 0: stale cache bytes
+  may be NaN), releases the slots and accumulates ``V^T P^T`` (``u T`` keys) into a float32
+  ``(D, 16)`` accumulator.
 
 The block writes its unnormalized partials (``acc^T``, the max in the log2 domain, the sum)
 as one split of the output; :func:`pallas_kernels.common.merge_splits` combines them in XLA.
@@ -109,10 +111,10 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
   r = lax.axis_index("row")
   split = lax.axis_index("split")
   wg = lax.axis_index("wg")
-  par = st.tokens_per_row           # steps of a round (one per token parity)
+  u = geo.round_steps
 
   # Row r's sequence, its keys [lo_tok, seq_len) in rounds of st.span tokens; this split's
-  # rounds [start, start + n), n * par steps. A row of no sequence reads no key (output 0).
+  # rounds [start, start + n), n * u steps. A row of no sequence reads no key (output 0).
   seq, real = row_sequence(refs.qsl, r, st.num_seqs)
   seq_len = jnp.where(real, jnp.clip(refs.lens[seq], 0, st.capacity), 0)
   lo_tok = jnp.maximum(seq_len - st.window, 0) if st.window else jnp.int32(0)
@@ -133,68 +135,69 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
     q_sums = tuple(column_values(refs.qsums.at[r, j], row0, rows)
                    for j in range(ops.num_q_sums))
 
-    def step(i, parity, tok0, carry):
-      """Step i: the keys of parity ``parity`` of the round from tok0 (slot row t holds key
-      ``tok0 + par * t + parity``)."""
+    def one_round(k, carry):
+      """Round k: its ``u`` steps' keys in one softmax update (step j's slot row t holds key
+      ``tok0 + key_offset(j) + tokens_per_row * t``)."""
       acc, m, l_part, v_state = carry
-      slot = lax.rem(i, geo.stages)
-      k_rows, v_rows_ref = (_landed(land.at[slot], st, off) for land, off in
-                            zip((k_land, v_land), st.landing_offsets(head_parity, parity)))
-      plgpu.barrier_wait(k_bars.at[slot])
-      products = ops.score_operands(k_rows, q_smem)
-      if k_staged is not None:     # interpret mode takes no register operand: stage K
-        products = staged(products, k_staged)
+      tok0 = (start + k) * st.span
+      steps = range(u)
+      slots = [lax.rem(k * u + j, geo.stages) for j in steps]
+      offsets = [st.landing_offsets(head_parity, st.step_parity(j)) for j in steps]
+      k_rows = [_landed(k_land.at[slots[j]], st, offsets[j][0]) for j in steps]
+      v_rows_refs = [_landed(v_land.at[slots[j]], st, offsets[j][1]) for j in steps]
 
-      def qk(acc_ref):
-        for a_op, b_op in products:
-          plgpu.wgmma(acc_ref, a_op, b_op)
-        return acc_ref[...]
-      sc = pl.run_scoped(qk, plgpu.ACC((t_keys, ncol), jnp.float32))
-      sc = ops.scale_scores(sc, k_rows, fac, q_sums)       # the log2 domain
-      plgpu.barrier_arrive(k_free.at[slot])
+      def qk(*acc_refs):     # each step's products issued as its K lands, then all awaited
+        for j, acc_ref in enumerate(acc_refs):
+          plgpu.barrier_wait(k_bars.at[slots[j]])
+          products = ops.score_operands(k_rows[j], q_smem)
+          if k_staged is not None:   # interpret mode takes no register operand: stage K
+            products = staged(products, k_staged.at[j])
+          for a_op, b_op in products:
+            plgpu.wgmma(acc_ref, a_op, b_op)
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+      scores = pl.run_scoped(qk, *[plgpu.ACC((t_keys, ncol), jnp.float32) for _ in steps])
+      scores = [ops.scale_scores(sc, k_rows[j], fac, q_sums)      # the log2 domain
+                for j, sc in enumerate(scores)]
+      for j in steps:
+        plgpu.barrier_arrive(k_free.at[slots[j]])
+      visible = [(tok >= lo_tok) & (tok < seq_len) for tok in
+                 (tok0 + st.key_offset(j) + st.tokens_per_row * rows for j in steps)]
       if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
         cap = st.soft_cap * math.log2(math.e)
-        sc = cap * jnp.tanh(sc * (1.0 / cap))
-      tok = tok0 + par * rows + parity
-      visible = (tok >= lo_tok) & (tok < seq_len)
-      sc = jnp.where(visible, sc, -jnp.inf)
-      m_new = jnp.maximum(m, sc.max(axis=0))
+        scores = [cap * jnp.tanh(sc * (1.0 / cap)) for sc in scores]
+      scores = [jnp.where(vis, sc, -jnp.inf) for vis, sc in zip(visible, scores)]
+      m_new = jnp.maximum(m, functools.reduce(jnp.maximum, scores).max(axis=0))
       alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [1]))
-      l_part = l_part * lax.broadcast_in_dim(alpha, sc.shape, [1]) + p
+      p = [jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [1])) for sc in scores]
+      l_part = l_part * lax.broadcast_in_dim(alpha, l_part.shape, [1]) + functools.reduce(
+          jnp.add, p)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      if ops.row_scaled:           # the weights take the V scales: wait for V first
-        plgpu.barrier_wait(v_bars.at[slot])
-      weights, v_state = ops.value_weights(p, v_rows_ref, visible, alpha, v_state)
-      p_smem[...] = weights.astype(ops.compute)
+      for j in steps:
+        if ops.row_scaled:         # the weights take the V scales: wait for V first
+          plgpu.barrier_wait(v_bars.at[slots[j]])
+        weights, v_state = ops.value_weights(p[j], v_rows_refs[j], visible[j],
+                                             alpha if j == 0 else None, v_state)
+        p_smem.at[pl.ds(j * t_keys, t_keys)][...] = weights.astype(ops.compute)
       plgpu.commit_smem()          # generic-proxy stores visible to wgmma (async proxy)
 
-      if not ops.row_scaled:
-        plgpu.barrier_wait(v_bars.at[slot])
-      first = tok0 + parity                        # the step's keys: first + par * [0, T)
-      edge = (first < lo_tok) | (first + par * (t_keys - 1) >= seq_len)
-
-      @pl.when(edge)
-      def _edge_values():
-        keep = (par * v_rows + parity, lo_tok - tok0, seq_len - tok0)
-        ops.prepare_v(v_rows_ref, v_smem, keep, plgpu.commit_smem)
-
-      @pl.when(jnp.logical_not(edge))
-      def _values():
-        ops.prepare_v(v_rows_ref, v_smem, None, plgpu.commit_smem)
-      plgpu.barrier_arrive(v_free.at[slot])
+      for j in steps:
+        if not ops.row_scaled:
+          plgpu.barrier_wait(v_bars.at[slots[j]])
+        first = tok0 + st.key_offset(j)     # the step's keys: first + r * [0, T)
+        edge = (first < lo_tok) | (first + st.tokens_per_row * (t_keys - 1) >= seq_len)
+        v_dst = v_smem.at[pl.ds(j * t_keys, t_keys)]
+        keep = (st.tokens_per_row * v_rows + st.key_offset(j), lo_tok - tok0, seq_len - tok0)
+        pl.when(edge)(functools.partial(ops.prepare_v, v_rows_refs[j], v_dst, keep,
+                                        plgpu.commit_smem))
+        pl.when(jnp.logical_not(edge))(functools.partial(ops.prepare_v, v_rows_refs[j], v_dst,
+                                                         None, plgpu.commit_smem))
+        plgpu.barrier_arrive(v_free.at[slots[j]])
 
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, v_smem.transpose((1, 0)), p_smem)
         return acc_ref[...]
       acc = acc + pl.run_scoped(pv, plgpu.ACC((d, ncol), jnp.float32))
       return acc, m_new, l_part, v_state
-
-    def one_round(k, carry):
-      tok0 = (start + k) * st.span
-      for parity in range(par):
-        carry = step(k * par + parity, parity, tok0, carry)
-      return carry
 
     acc0 = cast(jnp.zeros((d, ncol), jnp.float32), wgmma_layout)
     if st.sinks:     # a sink is a key whose value row is 0: max starts at it, sum at 1
@@ -207,7 +210,8 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
     acc, m, l_part, v_state = lax.fori_loop(0, n, one_round, carry)
     acc = ops.finish_values(acc, v_state)
     if st.finish:
-      _write_rows(refs, acc, l_part.sum(axis=0), rows, hg - row0, o_smem, ml_smem, p_smem, st)
+      _write_rows(refs, acc, l_part.sum(axis=0), rows, hg - row0, o_smem, ml_smem,
+                  p_smem.at[pl.ds(0, t_keys)], st)
       return
     o_smem[...] = acc
     ml_smem[0, :] = m
@@ -224,18 +228,23 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
   @pl.when(wg == 1)
   def _producer():
     layer = None if st.layer_axis is None else refs.layer[0]
-    piece, steps = st.piece, n * par
-    rows_per_copy = piece // par
+    piece, steps, r_tok = st.piece, n * u, st.tokens_per_row
+    rows_per_copy = piece // r_tok
     row_len = st.content_dim * (st.num_kv_heads if st.layout == "NHD" else 1)
     width = ops.landing_cols(d)
     head_col = h * st.content_dim if st.layout == "NHD" and ops.row_scaled else 0
 
+    def first_key(i):
+      """The first token of the cache step i's copies read (its span: ``st.step_span``)."""
+      round0 = (start + lax.div(i, u)) * st.span
+      return round0 if r_tok == 2 else round0 + lax.rem(i, u) * t_keys
+
     def block_ids(i):
-      """The block of each piece of step i's round, all loaded before any copy is issued
+      """The block of each piece of step i's span, all loaded before any copy is issued
       (the loads overlap; K and V of the step share them)."""
       ids = []
       for p in range(st.copies_per_step):
-        key0 = (start + lax.div(i, par)) * st.span + p * piece
+        key0 = first_key(i) + p * piece
         page = jnp.minimum(lax.div(key0, geo.block_size), st.max_blocks - 1)
         ids.append(jnp.clip(refs.bt[seq * st.max_blocks + page], 0, st.num_blocks - 1))
       return ids
@@ -243,11 +252,10 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
     def issue(i, side, bars, ids):
       slot = lax.rem(i, geo.stages)
       land = k_land if side == 0 else v_land
-      col = lax.rem(i, par) * row_len + head_col + side * (st.side_dim or d)
+      col = lax.rem(i, r_tok) * row_len + head_col + side * (st.side_dim or d)
       col = col - lax.rem(col, 16)      # a box starts on 16 bytes: see landing_offsets
       for p, blk in enumerate(ids):
-        row0 = lax.div(lax.rem((start + lax.div(i, par)) * st.span + p * piece,
-                               geo.block_size), par)
+        row0 = lax.div(lax.rem(first_key(i) + p * piece, geo.block_size), r_tok)
         src = _kv_box(refs.cache, st, blk, h, row0, rows_per_copy, col, width, layer)
         dst = land.at[slot, pl.ds(p * rows_per_copy, rows_per_copy)]
         plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
@@ -356,10 +364,11 @@ def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, 
   smem = (tiled((ncol, d), ops.compute, ops.q_swizzle(d)),
           ops.landing(geo.stages, t_keys, d, tiled),
           ops.landing(geo.stages, t_keys, d, tiled),
-          tiled((t_keys, d), ops.compute, pv_swizzle),
-          tiled((t_keys, ncol), ops.compute, pv_swizzle),
+          tiled((geo.round_steps * t_keys, d), ops.compute, pv_swizzle),
+          tiled((geo.round_steps * t_keys, ncol), ops.compute, pv_swizzle),
           *_epilogue_buffers(st, tiled, pv_swizzle, out_dtype),
-          tiled((t_keys, d), ops.compute) if st.interpret and ops.k_in_registers else None)
+          tiled((geo.round_steps, t_keys, d), ops.compute)
+          if ops.k_in_registers and st.interpret else None)
   kv_bars = plgpu.Barrier(num_arrivals=st.copies_per_step, num_barriers=geo.stages)
   free_bars = plgpu.Barrier(num_arrivals=1, num_barriers=geo.stages)
   f32 = jnp.float32

@@ -115,7 +115,8 @@ class Operands:
   def value_weights(self, p, slot_ref, visible, alpha, state):
     """``(weights, state)`` of a step: what ``V^T P^T`` takes as ``P^T`` (float32 ``(T, 16)``:
     the softmax weights ``p``; visible: bool ``(T, 16)``, the keys the query sees), and the
-    format's state after the step (``alpha`` ``(16,)`` rescales it)."""
+    format's state after the step (``alpha`` ``(16,)`` rescales it first; None for a round's
+    later steps)."""
     return p, state
 
   def finish_values(self, acc, state):

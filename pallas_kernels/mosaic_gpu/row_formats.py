@@ -30,6 +30,20 @@ SCALE_BOX = 16
 MAX_BOX = 256
 
 
+def code_compute(spec, q_dtype) -> np.dtype:
+  """The wgmma operand dtype of a row-scaled format: integer codes (int8, int4) read with
+  bfloat16 queries compute in bfloat16, where Mosaic GPU turns signed bytes into values with
+  byte permutes and one bfloat16x2 subtraction per two values (to float16 it takes one
+  conversion per value, at a quarter of the ALU rate); every code the hooks convert is exact
+  in both. Otherwise the rule of every GPU kernel (:func:`pallas_kernels.common.compute_dtype`).
+  """
+  quant = spec.codec.quant
+  codes = quant == "int4" if isinstance(quant, str) else np.dtype(quant).kind in "iu"
+  if codes and np.dtype(q_dtype) == np.dtype(jnp.bfloat16):
+    return np.dtype(jnp.bfloat16)
+  return compute_dtype(spec.codec, spec.storage_dtype, q_dtype)
+
+
 def _mgpu():
   from jax import lax   # noqa: PLC0415
   from jax.experimental import pallas as pl   # noqa: PLC0415
@@ -50,8 +64,7 @@ class RowScaledOperands(Fp8Operands):
 
   @classmethod
   def of(cls, spec, q_dtype) -> "RowScaledOperands":
-    return cls(storage=np.dtype(spec.storage_dtype),
-               compute=compute_dtype(spec.codec, spec.storage_dtype, q_dtype),
+    return cls(storage=np.dtype(spec.storage_dtype), compute=code_compute(spec, q_dtype),
                values=np.dtype(spec.codec.quant))
 
   @classmethod
@@ -129,19 +142,21 @@ class Int4Operands(RowScaledOperands):
   scale with the zero point in its 4 low bits: value = ``(code - zp) * scale``.
 
   The kernel computes in the order ``[even dims | odd dims]`` (:meth:`output` puts the dims
-  back). A byte's nibbles come out with one mask each (8-bit registers take no shifts): the
-  low nibble as ``n``, the high one as ``16 n`` (exact in float16), so q's odd half comes
-  divided by 16 (exact) and the odd half of ``O^T`` is divided by 16 at the end. Zero points
-  come out of the products: ``s_t = scale_t (S_t - zp_t sum(q))`` (the query's sum, once a
-  call: :meth:`q_sums`), and ``O^T`` loses ``sum_t zp_t w_t`` per query column (a
-  per-thread sum carried through the key loop).
+  back). A byte's nibbles come out as signed bytes with one mask each and no shift (8-bit
+  registers take none): the low nibble as ``n``, the high one as ``16 n - 128`` (its top bit
+  flipped), both exact in the compute dtype and converted by :func:`code_compute`'s fast
+  path. So q's odd half comes divided by 16 (exact) and:
+
+  * scores: ``s_t = scale_t (S_t + c - zp_t sum(q))``, ``c = 8 sum(q_odd)`` and ``sum(q)``
+    the query's sums (once a call: :meth:`q_sums`);
+  * values: the even half of ``O^T`` loses ``sum_t zp_t w_t``, the odd half is divided by 16
+    and loses ``sum_t (zp_t - 8) w_t`` (per-thread sums carried through the key loop).
   """
-  num_q_sums: ClassVar[int] = 1
+  num_q_sums: ClassVar[int] = 2
 
   @classmethod
   def of(cls, spec, q_dtype) -> "Int4Operands":
-    return cls(storage=np.dtype(spec.storage_dtype),
-               compute=compute_dtype(spec.codec, spec.storage_dtype, q_dtype),
+    return cls(storage=np.dtype(spec.storage_dtype), compute=code_compute(spec, q_dtype),
                values=np.dtype(np.uint8))
 
   def data_cols(self, head_size: int) -> int:
@@ -156,10 +171,12 @@ class Int4Operands(RowScaledOperands):
     return jnp.concatenate([q[..., 0::2], q[..., 1::2] * (1 / 16)], axis=-1).astype(q.dtype)
 
   def q_sums(self, q_op):
-    """float32 ``[..., 1, Hq]``: the sum of each query (of :meth:`q_operand`'s rows)."""
+    """float32 ``[..., 2, Hq]``: of each query (:meth:`q_operand`'s rows), its sum and the
+    score's offset ``c`` (``8 sum(q_odd)``: the high nibbles read as ``16 n - 128``)."""
     x = q_op.astype(jnp.float32)
     half = x.shape[-1] // 2
-    return (x[..., :half].sum(-1) + 16 * x[..., half:].sum(-1))[..., None, :]
+    odd = x[..., half:].sum(-1)
+    return jnp.stack([x[..., :half].sum(-1) + 16 * odd, 128 * odd], axis=-2)
 
   def output(self, out):
     d = out.shape[-1]
@@ -169,11 +186,14 @@ class Int4Operands(RowScaledOperands):
     return out[..., back]
 
   def _codes(self, rows_ref):
-    """A slot's ``(n_low, 16 n_high)``, ``(T, D / 2)`` each in the compute dtype."""
+    """A slot's ``(n_low, 16 n_high - 128)``, ``(T, D / 2)`` each in the compute dtype."""
     _, _, plgpu, load_whole = _mgpu()
     x = load_whole(self._data(rows_ref), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-    return tuple(plgpu.layout_cast((x & jnp.uint8(mask)).astype(self.compute),
-                                   plgpu.Layout.WGMMA) for mask in (0x0F, 0xF0))
+    halves = (x & jnp.uint8(0x0F), (x & jnp.uint8(0xF0)) ^ jnp.uint8(0x80))
+    # uint8 -> int8 relabels the bytes (0..15, and 16 n - 128 wrapped): a bitcast would not
+    # (Mosaic GPU keeps a bitcast's source signedness between int8 and uint8).
+    return tuple(plgpu.layout_cast(h.astype(jnp.int8).astype(self.compute),
+                                   plgpu.Layout.WGMMA) for h in halves)
 
   def score_operands(self, slot_ref, q_smem):
     _, pl, _, _ = _mgpu()
@@ -192,12 +212,15 @@ class Int4Operands(RowScaledOperands):
     lax, _, _, _ = _mgpu()
     scale, zero = self._scale_and_zero(slot_ref)
     rows = lambda x: lax.broadcast_in_dim(x, sc.shape, [0])
-    (q_sum,) = q_sums
-    return (sc - rows(zero) * lax.broadcast_in_dim(q_sum, sc.shape, [1])) * rows(scale * factor)
+    cols = lambda x: lax.broadcast_in_dim(x, sc.shape, [1])
+    q_sum, offset = q_sums
+    return (sc + cols(offset) - rows(zero) * cols(q_sum)) * rows(scale * factor)
 
   def value_state(self, shape):
+    """``(sum_t zp_t w_t, sum_t w_t)`` per thread, float32 ``(T, 16)`` each."""
     _, _, plgpu, _ = _mgpu()
-    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    zeros = lambda: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    return zeros(), zeros()
 
   def value_weights(self, p, slot_ref, visible, alpha, state):
     lax, _, _, _ = _mgpu()
@@ -205,18 +228,22 @@ class Int4Operands(RowScaledOperands):
     rows = lambda x: lax.broadcast_in_dim(x, p.shape, [0])
     w = jnp.where(visible, p * rows(scale), 0.0)
     w = w.astype(self.compute).astype(jnp.float32)     # as the V product reads them
-    return w, state * lax.broadcast_in_dim(alpha, p.shape, [1]) + w * rows(zero)
+    zw, ws = state
+    if alpha is not None:
+      a = lax.broadcast_in_dim(alpha, p.shape, [1])
+      zw, ws = zw * a, ws * a
+    return w, (zw + w * rows(zero), ws + w)
 
   def finish_values(self, acc, state):
     lax, _, plgpu, _ = _mgpu()
     dims = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, acc.shape, 0), plgpu.Layout.WGMMA)
     odd = dims >= acc.shape[0] // 2
-    return (jnp.where(odd, acc * (1 / 16), acc)
-            - lax.broadcast_in_dim(state.sum(axis=0), acc.shape, [1]))
+    zw, ws = (lax.broadcast_in_dim(x.sum(axis=0), acc.shape, [1]) for x in state)
+    return jnp.where(odd, acc * (1 / 16) + 8 * ws, acc) - zw
 
   def prepare_v(self, slot_ref, v_ref, keep_row, commit):
-    """V's codes into the V buffer as ``[low | 16 high]`` halves (codes are finite: hidden
-    keys need no zeroing, their weights are 0)."""
+    """V's codes into the V buffer as ``[low | high]`` halves (codes are finite: hidden keys
+    need no zeroing, their weights are 0)."""
     _, pl, _, _ = _mgpu()
     lo, hi = self._codes(slot_ref)
     half = lo.shape[1]

@@ -14,12 +14,9 @@ from pallas_kernels.common import gpu_sm_count
 #: slower on every quantized format).
 AUTO_DECODE = False
 
-#: Whether ``impl="mosaic_gpu"`` decodes int8 / int4 per-token-head caches with the decode
-#: kernel's direct reads (else the ragged kernel reads them through a plain copy). Off until a
-#: compiled run checks them: in `mgpu-decode-rows` they failed compiled (Mosaic GPU's int8 <->
-#: uint8 bitcast keeps the source's signedness: scale bytes were sign-extended, int4 codes
-#: read unsigned); the fix passes in interpret mode. fp8 per-token-head passed compiled.
-DECODE_INTEGER_ROWS = False
+#: Key steps of 64 per softmax update of the decode kernel (1 or 2; formats whose view rows
+#: hold two tokens always take 2): `mgpu-decode-rounds`.
+DECODE_ROUND_STEPS = 1
 
 #: ``auto`` takes the ragged kernel for batches whose static ``max_query_len`` is at least
 #: this (`mgpu-ragged-rule`: faster than the Triton kernels from query chunks of 128 tokens
