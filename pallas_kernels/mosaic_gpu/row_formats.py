@@ -57,7 +57,7 @@ class RowScaledOperands(Fp8Operands):
   """int8 / fp8 values, each side row ending in its float32 scale.
 
   The stored bytes are the values' bits (``values``: int8, or e4m3 stored as uint8); they
-  convert to the compute dtype of every GPU kernel (float16: every value is exact in it).
+  convert to :func:`code_compute`'s dtype (every value is exact in it).
   """
   row_scaled: ClassVar[bool] = True
   values: Optional[np.dtype] = None
