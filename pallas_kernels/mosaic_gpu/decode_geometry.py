@@ -18,7 +18,8 @@ ALIGN_ROWS = 8             # rows of a tile of the shared-memory layout wgmma re
 #: Shared memory Mosaic GPU adds to a kernel's buffers (barriers, the cross-warp reduction
 #: scratch, alignment): 3.05 KiB measured by ncu for this kernel on the H200, rounded up.
 MOSAIC_RESERVED = 4096
-#: Blocks the kernel is sized to keep on one SM at a time (shared memory allows two).
+#: Blocks the kernel is sized to keep on one SM at a time (shared memory allows two; the
+#: per-token-head formats' registers, 150-180 a thread, one: RESULTS.md, decode on Mosaic GPU).
 BLOCKS_PER_SM = 2
 
 
