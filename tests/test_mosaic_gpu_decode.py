@@ -49,17 +49,19 @@ def test_group_fits_the_query_columns_exactly_when_every_head_does(num_kv_heads)
   assert "GQA group 11" in DG.group_reason(11, 8)
 
 
-@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("finish", [False, True])
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8", "int8_per_token_head"])
 @pytest.mark.parametrize("head_size", [64, 128, 192, 256])
-def test_geometry_fits_two_blocks_per_sm(cache_dtype, head_size):
+def test_geometry_fits_the_most_blocks_then_slots(cache_dtype, head_size, finish):
   spec = kvjax.KVCacheSpec(8, head_size, 16, cache_dtype, dtype=BF16)
   ops = ADAPTERS.hooks(spec.codec).of(spec, BF16)
-  geo = DG.choose_geometry(ops, 4, 16, head_size)
-  assert geo.stages >= 2
-  if geo.stages > 2:
-    assert DG.BLOCKS_PER_SM * geo.smem_bytes(ops) <= DG.SMEM_BUDGET
+  geo = DG.choose_geometry(ops, 4, 16, head_size, finish=finish)
+  fits = lambda g, blocks: blocks * g.smem_bytes(ops, finish) <= DG.SMEM_BUDGET
+  two = dataclasses.replace(geo, stages=2)
+  blocks = max(b for b in range(1, MT.DECODE_BLOCKS_PER_SM + 1) if fits(two, b))
+  assert geo.stages >= 2 and fits(geo, blocks)
   bigger = dataclasses.replace(geo, stages=geo.stages + 1)
-  assert geo.stages == 8 or DG.BLOCKS_PER_SM * bigger.smem_bytes(ops) > DG.SMEM_BUDGET
+  assert geo.stages == 8 or not fits(bigger, blocks)
 
 
 def test_geometry_rejects_what_the_kernel_cannot_tile():
@@ -80,9 +82,9 @@ def test_geometry_rejects_what_the_kernel_cannot_tile():
 
 
 def test_split_rule_fills_the_sms():
-  slots = DG.BLOCKS_PER_SM * 132
-  assert DG.num_splits_for(64, 8, 64) == 1              # 512 blocks: two full waves, nearly
-  assert DG.num_splits_for(256, 8, 16) == 1
+  slots = MT.DECODE_BLOCKS_PER_SM * 132
+  assert DG.num_splits_for(slots // 4, 4, 64) == 1      # one full wave of blocks
+  assert DG.num_splits_for(slots // 4, 8, 16) == 1      # two full waves
   for seqs, heads in ((8, 8), (16, 8), (1, 8), (3, 2), (100, 1)):
     k = DG.num_splits_for(seqs, heads, 512)
     base = seqs * heads

@@ -13,14 +13,12 @@ import numpy as np
 from pallas_kernels.common import cdiv
 from pallas_kernels.mosaic_gpu.formats import Operands
 from pallas_kernels.mosaic_gpu.tiles import SMEM_BUDGET, copy_piece
+from pallas_kernels.mosaic_gpu import tuning as MT
 
 ALIGN_ROWS = 8             # rows of a tile of the shared-memory layout wgmma reads
 #: Shared memory Mosaic GPU adds to a kernel's buffers (barriers, the cross-warp reduction
 #: scratch, alignment): 3.05 KiB measured by ncu for this kernel on the H200, rounded up.
 MOSAIC_RESERVED = 4096
-#: Blocks the kernel is sized to keep on one SM at a time (shared memory allows two; the
-#: per-token-head formats' registers, 150-180 a thread, one: RESULTS.md, decode on Mosaic GPU).
-BLOCKS_PER_SM = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +62,19 @@ class DecodeGeometry:
     return (head * self.group) % ALIGN_ROWS
 
   def smem_bytes(self, ops: Operands, finish: bool = False) -> int:
-    """Shared memory of a block: its buffers and Mosaic GPU's own (:data:`MOSAIC_RESERVED`).
-    ``finish``: the kernel writes output rows (a 16-bit ``(T, D)`` buffer and ``O^T`` in the
-    compute dtype) instead of float32 partials."""
+    """Shared memory of a block: q, then the larger of the key loop's buffers and the
+    epilogue's (scoped one after the other), and Mosaic GPU's own (:data:`MOSAIC_RESERVED`).
+    ``finish``: the epilogue writes output rows (a 16-bit ``(T, D)`` buffer, ``O^T`` and the
+    ``(T, 16)`` selection in the compute dtype) instead of float32 partials."""
     t, d = self.block_kv, self.head_size
     compute = np.dtype(ops.compute).itemsize
     land = 2 * self.stages * t * ops.landing_cols(d) * np.dtype(ops.storage).itemsize
-    v = self.round_steps * t * d * compute
-    q = self.cols * d * compute
-    p = self.round_steps * t * self.cols * compute
-    out = d * self.cols * compute + t * d * 2 if finish else (d + 2) * self.cols * 4
-    return land + v + q + p + out + MOSAIC_RESERVED
+    loop = land + self.round_steps * t * (d + self.cols) * compute
+    if finish:
+      epilogue = (d + t) * self.cols * compute + t * d * 2
+    else:
+      epilogue = (d + 2) * self.cols * 4
+    return self.cols * d * compute + max(loop, epilogue) + MOSAIC_RESERVED
 
 
 def head_size_reason(head_size: int) -> Optional[str]:
@@ -97,25 +97,32 @@ def group_reason(group: int, num_kv_heads: int, cols: int = 16) -> Optional[str]
 def choose_geometry(ops: Operands, group: int, block_size: int, head_size: int,
                     max_stages: int = 8, finish: bool = False,
                     round_steps: int = 1) -> DecodeGeometry:
-  """The most K/V slots (2 to ``max_stages``) with which :data:`BLOCKS_PER_SM` blocks fit in
-  an SM's shared memory (``finish``: :meth:`DecodeGeometry.smem_bytes`)."""
-  best = DecodeGeometry(group, block_size, head_size, stages=2, round_steps=round_steps)
-  for stages in range(3, max_stages + 1):
-    geo = dataclasses.replace(best, stages=stages)
-    if geo.smem_bytes(ops, finish) * BLOCKS_PER_SM > SMEM_BUDGET:
-      break
-    best = geo
-  return best
+  """The most K/V slots (2 to ``max_stages``) with which :data:`.tuning.DECODE_BLOCKS_PER_SM`
+  blocks fit in an SM's shared memory (``finish``: :meth:`DecodeGeometry.smem_bytes`);
+  where two slots do not fit that many blocks, the most slots for the most blocks two slots
+  fit."""
+  two = DecodeGeometry(group, block_size, head_size, stages=2, round_steps=round_steps)
+  for blocks in range(MT.DECODE_BLOCKS_PER_SM, 0, -1):
+    if two.smem_bytes(ops, finish) * blocks > SMEM_BUDGET:
+      continue
+    best = two
+    for stages in range(3, max_stages + 1):
+      geo = dataclasses.replace(best, stages=stages)
+      if geo.smem_bytes(ops, finish) * blocks > SMEM_BUDGET:
+        break
+      best = geo
+    return best
+  return two
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_steps: int,
                    num_sms: int = 132) -> int:
-  """Splits per (sequence, KV head), from static shapes: :data:`BLOCKS_PER_SM` blocks per SM
-  at a time, so pick the fewest splits whose waves of blocks come within 5 % of the best fill
-  of the GPU (a split is one more partial to merge), with at most 64 splits and at least 4
-  key steps (of ``max_steps``) a split."""
+  """Splits per (sequence, KV head), from static shapes: :data:`.tuning.DECODE_BLOCKS_PER_SM`
+  blocks per SM at a time, so pick the fewest splits whose waves of blocks come within 5 % of
+  the best fill of the GPU (a split is one more partial to merge), with at most 64 splits and
+  at least 4 key steps (of ``max_steps``) a split."""
   base = max(1, num_seqs * num_kv_heads)
-  slots = BLOCKS_PER_SM * num_sms
+  slots = MT.DECODE_BLOCKS_PER_SM * num_sms
   cands = range(1, max(1, min(64, max_steps // 4)) + 1)
   cost = {k: cdiv(base * k, slots) / k for k in cands}
   best = min(cost.values())

@@ -11,27 +11,28 @@ swizzle; so K/V land with the format's swizzle (plain caches: the widest their r
 32-byte-swizzled buffer on its way to ``V^T P^T`` (in the compute dtype: the format hook
 converts there).
 
-One CUDA block per (KV head, query row, split) with two warpgroups (one consumer: Mosaic GPU's
-cross-warp reductions share one scratch buffer per block, so two consumer warpgroups of a
-block could not reduce at the same time; two blocks per SM fit instead):
+One CUDA block of one warpgroup per (KV head, query row, split), up to
+:data:`.tuning.DECODE_BLOCKS_PER_SM` of them an SM (a warpgroup that only issued copies would
+hold as many registers as the one computing, and halve the blocks an SM's registers take).
+The block walks its split's key steps of T keys, each in one of ``stages`` shared-memory
+slots for K and for V:
 
-* the **producer** walks the split's key steps (T keys, one K and one V slot each) and, per
-  step, reads the block ids from the block table and issues one TMA copy per ``piece``
-  tokens for K and for V of its head into ``stages`` shared-memory slots (format hooks say
-  where copies land: :mod:`pallas_kernels.mosaic_gpu.formats`); a slot is refilled once the
-  consumer released it, and the producer waits for the last releases before it exits.
-  Formats with a scale per row (:mod:`.row_formats`) copy from a view of the cache with rows
-  of one or two tokens; with two, step j of a round of ``2 T`` tokens holds the tokens of
-  parity j, so that every row of a slot lands at the same offset (``landing_offsets``);
-* the **consumer** walks rounds of ``u = geo.round_steps`` steps, one softmax update each:
-  per step it builds the K operand (format hook) and issues ``S^T``'s wgmma (the next step's
-  K is built while one runs), then scales (softmax scale x K scale x log2 e, one float per
-  head; format hooks add the per-key scales and zero points), soft-caps, masks keys outside
+* **copies**: before the loop, each slot's first step; the block ids of a step's pages are
+  read from the block table a round ahead, and each side of a slot is refilled with the step
+  ``stages`` later as soon as every thread has read it (TMA copies of ``piece`` tokens;
+  format hooks say where they land: :mod:`pallas_kernels.mosaic_gpu.formats`). Formats with
+  a scale per row (:mod:`.row_formats`) copy from a view of the cache with rows of one or two
+  tokens; with two, step j of a round of ``2 T`` tokens holds the tokens of parity j, so
+  that every row of a slot lands at the same offset (``landing_offsets``);
+* **compute**: rounds of ``u = geo.round_steps`` steps, one softmax update each: per step
+  the format hook builds the K operand and ``S^T``'s wgmma is issued (the next step's K is
+  built while one runs), then scales (softmax scale x K scale x log2 e, one float per head;
+  format hooks add the per-key scales and zero points), soft-caps, masks keys outside
   ``[seq_len - window, seq_len)``; the round updates the running max per column (one
   cross-warp reduction) and a per-thread partial sum, stores ``P^T`` to shared memory,
   builds each step's V operand (format hook; rows of masked keys set to 0: stale cache bytes
-  may be NaN), releases the slots and accumulates ``V^T P^T`` (``u T`` keys) into a float32
-  ``(D, 16)`` accumulator.
+  may be NaN) and accumulates ``V^T P^T`` (``u T`` keys) into a float32 ``(D, 16)``
+  accumulator.
 
 The block writes its unnormalized partials (``acc^T``, the max in the log2 domain, the sum)
 as one split of the output; :func:`pallas_kernels.common.merge_splits` combines them in XLA.
@@ -99,10 +100,61 @@ class _Refs:
   out: object = None
 
 
-def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
-  # o_smem, ml_smem: the partials; in finish mode O^T in the compute dtype and the rows.
-  ((q_smem, k_land, v_land, v_smem, p_smem, o_smem, ml_smem, k_staged), q_bar,
-   (k_bars, v_bars), (k_free, v_free)) = scratch
+class _Copies:
+  """The K/V copies of one block: step i of its split (``steps`` in all) lands in slot
+  ``i % stages`` of ``k_land`` / ``v_land`` and arrives on that slot's barrier."""
+
+  def __init__(self, refs: _Refs, st: DecodeStatics, seq, start, lands, bars):
+    self.refs, self.st, self.seq, self.start = refs, st, seq, start
+    self.lands, self.bars = lands, bars
+    self.h = lax.axis_index("head")
+    self.layer = None if st.layer_axis is None else refs.layer[0]
+
+  def first_key(self, i):
+    """The first token of the cache step i's copies read (its span: ``st.step_span``)."""
+    st, u = self.st, self.st.geo.round_steps
+    round0 = (self.start + lax.div(i, u)) * st.span
+    return round0 if st.tokens_per_row == 2 else round0 + lax.rem(i, u) * st.geo.block_kv
+
+  def block_ids(self, i):
+    """The block of each piece of step i's span (loaded together: the loads overlap; K and
+    V of the step share them). Clamped: any i reads a valid entry."""
+    st = self.st
+    ids = []
+    for p in range(st.copies_per_step):
+      page = jnp.minimum(lax.div(self.first_key(i) + p * st.piece, st.geo.block_size),
+                         st.max_blocks - 1)
+      ids.append(jnp.clip(self.refs.bt[self.seq * st.max_blocks + page], 0,
+                          st.num_blocks - 1))
+    return ids
+
+  def issue(self, i, side: int, ids):
+    """Step i's copies of one side (0: K, 1: V) from blocks ``ids``."""
+    st, d = self.st, self.st.geo.head_size
+    r_tok = st.tokens_per_row
+    rows_per_copy = st.piece // r_tok
+    row_len = st.content_dim * (st.num_kv_heads if st.layout == "NHD" else 1)
+    head_col = self.h * st.content_dim if st.layout == "NHD" and st.ops.row_scaled else 0
+    slot = lax.rem(i, st.geo.stages)
+    col = lax.rem(i, r_tok) * row_len + head_col + side * (st.side_dim or d)
+    col = col - lax.rem(col, 16)      # a box starts on 16 bytes: see landing_offsets
+    width = st.ops.landing_cols(d)
+    for p, blk in enumerate(ids):
+      row0 = lax.div(lax.rem(self.first_key(i) + p * st.piece, st.geo.block_size), r_tok)
+      src = _kv_box(self.refs.cache, st, blk, self.h, row0, rows_per_copy, col, width,
+                    self.layer)
+      dst = self.lands[side].at[slot, pl.ds(p * rows_per_copy, rows_per_copy)]
+      plgpu.copy_gmem_to_smem(src, dst, self.bars[side].at[slot])
+
+  def refill(self, i, side: int, ids, steps):
+    """Step i's copies of one side into its slot, if the split has a step i."""
+    pl.when(i < steps)(functools.partial(self.issue, i, side, ids))
+
+
+def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
+            out_dtype=None):
+  """The block's work; the key loop's buffers (:func:`_loop_buffers`) and the epilogue's
+  (:func:`_epilogue_buffers`) are scoped one after the other and share shared memory."""
   geo, ops = st.geo, st.ops
   t_keys, ncol, d = geo.block_kv, geo.cols, geo.head_size
   wgmma_layout = plgpu.Layout.WGMMA
@@ -110,7 +162,6 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
   h = lax.axis_index("head")
   r = lax.axis_index("row")
   split = lax.axis_index("split")
-  wg = lax.axis_index("wg")
   u = geo.round_steps
 
   # Row r's sequence, its keys [lo_tok, seq_len) in rounds of st.span tokens; this split's
@@ -123,14 +174,21 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
   per = lax.div(jnp.maximum(hi_round - lo_round, 0) + st.num_splits - 1, st.num_splits)
   start = lo_round + split * per
   n = jnp.clip(hi_round - start, 0, per)
+  steps = n * u
+  hg = h * geo.group
+  row0 = hg - lax.rem(hg, ALIGN_ROWS)           # head h's queries: columns hg - row0 + [0, G)
+  plgpu.copy_gmem_to_smem(refs.q.at[r, pl.ds(row0, ncol)], q_smem, q_bar)
+  rows = cast(lax.broadcasted_iota(jnp.int32, (t_keys, ncol), 0), wgmma_layout)
 
-  def consumer(head_parity: int):
-    hg = h * geo.group
-    row0 = hg - lax.rem(hg, ALIGN_ROWS)           # head h's queries: columns hg - row0 + [0, G)
-    plgpu.copy_gmem_to_smem(refs.q.at[r, pl.ds(row0, ncol)], q_smem, q_bar)
+  def key_loop(head_parity: int, k_land, v_land, v_smem, p_smem, k_staged=None):
+    """The split's rounds: ``(acc, m, l_part, v_state)`` after the last."""
+    copies = _Copies(refs, st, seq, start, (k_land, v_land), (k_bars, v_bars))
+    for i in range(geo.stages):     # the first slots' copies; each later one refills a slot
+      ids = copies.block_ids(i)     # as soon as the step before in it has been read
+      copies.refill(i, 0, ids, steps)
+      copies.refill(i, 1, ids, steps)
     plgpu.barrier_wait(q_bar)
     fac = refs.fac[h]
-    rows = cast(lax.broadcasted_iota(jnp.int32, (t_keys, ncol), 0), wgmma_layout)
     v_rows = cast(lax.broadcasted_iota(jnp.int32, (t_keys, d), 0), wgmma_layout)
     q_sums = tuple(column_values(refs.qsums.at[r, j], row0, rows)
                    for j in range(ops.num_q_sums))
@@ -140,11 +198,13 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
       ``tok0 + key_offset(j) + tokens_per_row * t``)."""
       acc, m, l_part, v_state = carry
       tok0 = (start + k) * st.span
-      steps = range(u)
-      slots = [lax.rem(k * u + j, geo.stages) for j in steps]
-      offsets = [st.landing_offsets(head_parity, st.step_parity(j)) for j in steps]
-      k_rows = [_landed(k_land.at[slots[j]], st, offsets[j][0]) for j in steps]
-      v_rows_refs = [_landed(v_land.at[slots[j]], st, offsets[j][1]) for j in steps]
+      in_round = range(u)
+      slots = [lax.rem(k * u + j, geo.stages) for j in in_round]
+      later = [k * u + j + geo.stages for j in in_round]      # the steps that refill them
+      later_ids = [copies.block_ids(i) for i in later]      # loaded while this round runs
+      offsets = [st.landing_offsets(head_parity, st.step_parity(j)) for j in in_round]
+      k_rows = [_landed(k_land.at[slots[j]], st, offsets[j][0]) for j in in_round]
+      v_rows_refs = [_landed(v_land.at[slots[j]], st, offsets[j][1]) for j in in_round]
 
       def qk(*acc_refs):     # each step's products issued as its K lands, then all awaited
         for j, acc_ref in enumerate(acc_refs):
@@ -155,13 +215,14 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
           for a_op, b_op in products:
             plgpu.wgmma(acc_ref, a_op, b_op)
         return tuple(acc_ref[...] for acc_ref in acc_refs)
-      scores = pl.run_scoped(qk, *[plgpu.ACC((t_keys, ncol), jnp.float32) for _ in steps])
+      scores = pl.run_scoped(qk, *[plgpu.ACC((t_keys, ncol), jnp.float32) for _ in in_round])
       scores = [ops.scale_scores(sc, k_rows[j], fac, q_sums)      # the log2 domain
                 for j, sc in enumerate(scores)]
-      for j in steps:
-        plgpu.barrier_arrive(k_free.at[slots[j]])
+      plgpu.commit_smem()          # every thread's reads of the K slots are done
+      for j in in_round:
+        copies.refill(later[j], 0, later_ids[j], steps)
       visible = [(tok >= lo_tok) & (tok < seq_len) for tok in
-                 (tok0 + st.key_offset(j) + st.tokens_per_row * rows for j in steps)]
+                 (tok0 + st.key_offset(j) + st.tokens_per_row * rows for j in in_round)]
       if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
         cap = st.soft_cap * math.log2(math.e)
         scores = [cap * jnp.tanh(sc * (1.0 / cap)) for sc in scores]
@@ -172,7 +233,7 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
       l_part = l_part * lax.broadcast_in_dim(alpha, l_part.shape, [1]) + functools.reduce(
           jnp.add, p)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      for j in steps:
+      for j in in_round:
         if ops.row_scaled:         # the weights take the V scales: wait for V first
           plgpu.barrier_wait(v_bars.at[slots[j]])
         weights, v_state = ops.value_weights(p[j], v_rows_refs[j], visible[j],
@@ -180,18 +241,19 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
         p_smem.at[pl.ds(j * t_keys, t_keys)][...] = weights.astype(ops.compute)
       plgpu.commit_smem()          # generic-proxy stores visible to wgmma (async proxy)
 
-      for j in steps:
+      for j in in_round:
         if not ops.row_scaled:
           plgpu.barrier_wait(v_bars.at[slots[j]])
         first = tok0 + st.key_offset(j)     # the step's keys: first + r * [0, T)
         edge = (first < lo_tok) | (first + st.tokens_per_row * (t_keys - 1) >= seq_len)
         v_dst = v_smem.at[pl.ds(j * t_keys, t_keys)]
         keep = (st.tokens_per_row * v_rows + st.key_offset(j), lo_tok - tok0, seq_len - tok0)
+        # prepare_v ends in commit_smem: every thread's reads of the V slot are done.
         pl.when(edge)(functools.partial(ops.prepare_v, v_rows_refs[j], v_dst, keep,
                                         plgpu.commit_smem))
         pl.when(jnp.logical_not(edge))(functools.partial(ops.prepare_v, v_rows_refs[j], v_dst,
                                                          None, plgpu.commit_smem))
-        plgpu.barrier_arrive(v_free.at[slots[j]])
+        copies.refill(later[j], 1, later_ids[j], steps)
 
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, v_smem.transpose((1, 0)), p_smem)
@@ -207,80 +269,32 @@ def _kernel(refs: _Refs, scratch, *, st: DecodeStatics):
       m0 = cast(jnp.full((ncol,), M_INIT, jnp.float32), wgmma_layout.reduce(0))
       l0 = cast(jnp.zeros((t_keys, ncol), jnp.float32), wgmma_layout)
     carry = (acc0, m0, l0, ops.value_state((t_keys, ncol)))
-    acc, m, l_part, v_state = lax.fori_loop(0, n, one_round, carry)
+    return lax.fori_loop(0, n, one_round, carry)
+
+  def block(head_parity: int):
+    acc, m, l_part, v_state = pl.run_scoped(functools.partial(key_loop, head_parity),
+                                            *_loop_buffers(st))
     acc = ops.finish_values(acc, v_state)
     if st.finish:
-      _write_rows(refs, acc, l_part.sum(axis=0), rows, hg - row0, o_smem, ml_smem,
-                  p_smem.at[pl.ds(0, t_keys)], st)
+      pl.run_scoped(functools.partial(_write_rows, refs, acc, l_part.sum(axis=0), rows,
+                                      hg - row0, st=st), *_epilogue_buffers(st, out_dtype))
       return
-    o_smem[...] = acc
-    ml_smem[0, :] = m
-    ml_smem[1, :] = l_part.sum(axis=0)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, refs.acc.at[r, h, split])
-    plgpu.copy_smem_to_gmem(ml_smem, refs.ml.at[r, h, split])
-    plgpu.wait_smem_to_gmem(0)
 
-  for head_parity in st.head_parities:   # the landing offsets are static in each
-    own = (wg == 0) & (lax.rem(h, 2) == head_parity) if len(st.head_parities) > 1 else wg == 0
-    pl.when(own)(functools.partial(consumer, head_parity))
+    def write_partials(o_smem, ml_smem):
+      o_smem[...] = acc
+      ml_smem[0, :] = m
+      ml_smem[1, :] = l_part.sum(axis=0)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, refs.acc.at[r, h, split])
+      plgpu.copy_smem_to_gmem(ml_smem, refs.ml.at[r, h, split])
+      plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(write_partials, *_epilogue_buffers(st, out_dtype))
 
-  @pl.when(wg == 1)
-  def _producer():
-    layer = None if st.layer_axis is None else refs.layer[0]
-    piece, steps, r_tok = st.piece, n * u, st.tokens_per_row
-    rows_per_copy = piece // r_tok
-    row_len = st.content_dim * (st.num_kv_heads if st.layout == "NHD" else 1)
-    width = ops.landing_cols(d)
-    head_col = h * st.content_dim if st.layout == "NHD" and ops.row_scaled else 0
-
-    def first_key(i):
-      """The first token of the cache step i's copies read (its span: ``st.step_span``)."""
-      round0 = (start + lax.div(i, u)) * st.span
-      return round0 if r_tok == 2 else round0 + lax.rem(i, u) * t_keys
-
-    def block_ids(i):
-      """The block of each piece of step i's span, all loaded before any copy is issued
-      (the loads overlap; K and V of the step share them)."""
-      ids = []
-      for p in range(st.copies_per_step):
-        key0 = first_key(i) + p * piece
-        page = jnp.minimum(lax.div(key0, geo.block_size), st.max_blocks - 1)
-        ids.append(jnp.clip(refs.bt[seq * st.max_blocks + page], 0, st.num_blocks - 1))
-      return ids
-
-    def issue(i, side, bars, ids):
-      slot = lax.rem(i, geo.stages)
-      land = k_land if side == 0 else v_land
-      col = lax.rem(i, r_tok) * row_len + head_col + side * (st.side_dim or d)
-      col = col - lax.rem(col, 16)      # a box starts on 16 bytes: see landing_offsets
-      for p, blk in enumerate(ids):
-        row0 = lax.div(lax.rem(first_key(i) + p * piece, geo.block_size), r_tok)
-        src = _kv_box(refs.cache, st, blk, h, row0, rows_per_copy, col, width, layer)
-        dst = land.at[slot, pl.ds(p * rows_per_copy, rows_per_copy)]
-        plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
-
-    for i in range(geo.stages):
-      @pl.when(i < steps)
-      def _prologue():
-        ids = block_ids(i)
-        issue(i, 0, k_bars, ids)
-        issue(i, 1, v_bars, ids)
-
-    @pl.loop(geo.stages, steps)
-    def _steady(i):
-      slot = lax.rem(i, geo.stages)
-      ids = block_ids(i)
-      plgpu.barrier_wait(k_free.at[slot])
-      issue(i, 0, k_bars, ids)
-      plgpu.barrier_wait(v_free.at[slot])
-      issue(i, 1, v_bars, ids)
-
-    @pl.loop(jnp.maximum(steps - geo.stages, 0), steps)
-    def _drain(i):   # the last `stages` releases: no barrier phase is left unobserved
-      slot = lax.rem(i, geo.stages)
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
+  if len(st.head_parities) == 1:
+    block(st.head_parities[0])
+  else:                                  # the landing offsets are static in each
+    for head_parity in st.head_parities:
+      pl.when(lax.rem(h, 2) == head_parity)(functools.partial(block, head_parity))
 
 
 def _landed(slot_ref, st: DecodeStatics, offset: int):
@@ -292,7 +306,8 @@ def _landed(slot_ref, st: DecodeStatics, offset: int):
   return slot_ref.at[:, pl.ds(offset, st.ops.data_cols(st.geo.head_size) + 4)]
 
 
-def _write_rows(refs: _Refs, acc, l, rows, c0, ot_smem, out_smem, p_smem, st: DecodeStatics):
+def _write_rows(refs: _Refs, acc, l, rows, c0, ot_smem, p_smem, out_smem, *,
+                st: DecodeStatics):
   """Finish mode: the normalized output of head h's G queries, as rows of ``refs.out``.
 
   acc: float32 ``(D, 16)`` (``O^T`` unnormalized, WGMMA layout); l: ``(16,)`` sums; rows:
@@ -346,31 +361,8 @@ def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, 
   num_rows = q.shape[0]
   h = st.num_kv_heads
   parts = st.num_splits
-  t_keys, d, ncol = geo.block_kv, geo.head_size, geo.cols
-
-  def tiled(shape, dtype, swizzle=None):
-    """A buffer wgmma reads: (8, swizzle / itemsize)-element tiles; the widest swizzle whose
-    rows tile the minor dim by default (TMA copies rows no wider than the swizzle)."""
-    width = shape[-1] * np.dtype(dtype).itemsize
-    swizzle = swizzle or next(w for w in (128, 64, 32) if width % w == 0)
-    cols = swizzle // np.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((ALIGN_ROWS, cols)),
-                                                plgpu.SwizzleTransform(swizzle)))
-
-  # S^T = K q^T reads K and q with their widest swizzle (equal where K is read from shared
-  # memory: the same dtype and D); V^T P^T reads V and P^T with the swizzle of P^T's rows
-  # (16 query columns).
-  pv_swizzle = ncol * np.dtype(ops.compute).itemsize
-  smem = (tiled((ncol, d), ops.compute, ops.q_swizzle(d)),
-          ops.landing(geo.stages, t_keys, d, tiled),
-          ops.landing(geo.stages, t_keys, d, tiled),
-          tiled((geo.round_steps * t_keys, d), ops.compute, pv_swizzle),
-          tiled((geo.round_steps * t_keys, ncol), ops.compute, pv_swizzle),
-          *_epilogue_buffers(st, tiled, pv_swizzle, out_dtype),
-          tiled((geo.round_steps, t_keys, d), ops.compute)
-          if ops.k_in_registers and st.interpret else None)
+  d, ncol = geo.head_size, geo.cols
   kv_bars = plgpu.Barrier(num_arrivals=st.copies_per_step, num_barriers=geo.stages)
-  free_bars = plgpu.Barrier(num_arrivals=1, num_barriers=geo.stages)
   f32 = jnp.float32
   layered = st.layer_axis is not None
   sums = st.ops.num_q_sums > 0
@@ -391,29 +383,58 @@ def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, 
   def kvjax_mgpu_decode(*gmem_refs):
     refs = _Refs(**dict(zip(names, gmem_refs, strict=True)))
     pl.run_scoped(
-        lambda *scratch: _kernel(refs, scratch, st=st),
-        smem, plgpu.Barrier(num_arrivals=1), (kv_bars, kv_bars), (free_bars, free_bars),
-        collective_axes="wg")
+        lambda *scratch: _kernel(refs, *scratch, st=st, out_dtype=out_dtype),
+        _tiled((ncol, d), ops.compute, ops.q_swizzle(d)), plgpu.Barrier(num_arrivals=1),
+        kv_bars, kv_bars)
 
   return plgpu.kernel(
       kvjax_mgpu_decode,
       out_type=out_type,
       grid=(h, num_rows, st.num_splits),
       grid_names=("head", "row", "split"),
-      num_threads=2,
-      thread_name="wg",
       interpret=interpret_params() if st.interpret else None,
       compiler_params=plgpu.CompilerParams(   # Lane semantics on every version: compat.py
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
   )(*args)
 
 
-def _epilogue_buffers(st: DecodeStatics, tiled, pv_swizzle, out_dtype):
-  """The two buffers after the K/V loop: the partials' ``acc^T`` (float32 ``(D, 16)``) and
-  max / sum ``(2, 16)``; in finish mode ``O^T`` in the compute dtype (``(D, 16)``, read
-  transposed by wgmma) and the output rows ``(64, D)`` (copied out by TMA)."""
-  d, ncol = st.geo.head_size, st.geo.cols
+def _tiled(shape, dtype, swizzle=None):
+  """A buffer wgmma reads: (8, swizzle / itemsize)-element tiles; the widest swizzle whose
+  rows tile the minor dim by default (TMA copies rows no wider than the swizzle)."""
+  width = shape[-1] * np.dtype(dtype).itemsize
+  swizzle = swizzle or next(w for w in (128, 64, 32) if width % w == 0)
+  cols = swizzle // np.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((ALIGN_ROWS, cols)),
+                                              plgpu.SwizzleTransform(swizzle)))
+
+
+def _pv_swizzle(st: DecodeStatics) -> int:
+  """The swizzle of ``V^T P^T``'s operands: that of P^T's rows (16 query columns)."""
+  return st.geo.cols * np.dtype(st.ops.compute).itemsize
+
+
+def _loop_buffers(st: DecodeStatics):
+  """The key loop's buffers: the K and V landing slots (the format's), V and P^T in the
+  compute dtype (``(u T, D)``, ``(u T, 16)``, read by ``V^T P^T`` with P^T's swizzle), and
+  in interpret mode, for formats whose K operand is registers, a ``(u, T, D)`` K buffer."""
+  geo, ops = st.geo, st.ops
+  t_keys, d, u = geo.block_kv, geo.head_size, geo.round_steps
+  bufs = (ops.landing(geo.stages, t_keys, d, _tiled), ops.landing(geo.stages, t_keys, d, _tiled),
+          _tiled((u * t_keys, d), ops.compute, _pv_swizzle(st)),
+          _tiled((u * t_keys, geo.cols), ops.compute, _pv_swizzle(st)))
+  if ops.k_in_registers and st.interpret:
+    bufs += (_tiled((u, t_keys, d), ops.compute),)
+  return bufs
+
+
+def _epilogue_buffers(st: DecodeStatics, out_dtype):
+  """The buffers after the key loop: the partials' ``acc^T`` (float32 ``(D, 16)``) and max /
+  sum ``(2, 16)``; in finish mode ``O^T`` in the compute dtype (``(D, 16)``, read
+  transposed by wgmma), the selection ``E`` (``(64, 16)``) and the output rows ``(64, D)``
+  (copied out by TMA)."""
+  d, ncol, t_keys = st.geo.head_size, st.geo.cols, st.geo.block_kv
   if st.finish:
-    return (tiled((d, ncol), st.ops.compute, pv_swizzle),
-            plgpu.SMEM((st.geo.block_kv, d), out_dtype))
+    return (_tiled((d, ncol), st.ops.compute, _pv_swizzle(st)),
+            _tiled((t_keys, ncol), st.ops.compute, _pv_swizzle(st)),
+            plgpu.SMEM((t_keys, d), out_dtype))
   return plgpu.SMEM((d, ncol), jnp.float32), plgpu.SMEM((2, ncol), jnp.float32)

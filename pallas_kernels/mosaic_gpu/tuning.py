@@ -10,13 +10,18 @@ from __future__ import annotations
 from pallas_kernels.common import gpu_sm_count
 
 #: Whether ``auto`` takes the decode kernel for the decode batches it can run; else the
-#: Triton decode kernel runs them (`mgpu-decode-rule`: 0.88-1.00x the Triton kernel on bf16,
-#: slower on every quantized format).
+#: Triton decode kernel runs them (`mgpu-decode-rule`: slower than the Triton kernel on every
+#: format).
 AUTO_DECODE = False
 
 #: Key steps of 64 per softmax update of the decode kernel (1 or 2; formats whose view rows
 #: hold two tokens always take 2): `mgpu-decode-rounds`.
 DECODE_ROUND_STEPS = 1
+
+#: Blocks of one warpgroup the decode kernel's shared memory is sized for on one SM, and
+#: its split rule fills (`mgpu-decode-blocks`: two, with more K/V slots each, beat three on
+#: every format; the row formats' registers allow no more than two).
+DECODE_BLOCKS_PER_SM = 2
 
 #: ``auto`` takes the ragged kernel for batches whose static ``max_query_len`` is at least
 #: this (`mgpu-ragged-rule`: faster than the Triton kernels from query chunks of 128 tokens
