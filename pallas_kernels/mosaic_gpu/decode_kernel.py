@@ -104,8 +104,8 @@ class _Copies:
   """The K/V copies of one block: step i of its split (``steps`` in all) lands in slot
   ``i % stages`` of ``k_land`` / ``v_land`` and arrives on that slot's barrier."""
 
-  def __init__(self, refs: _Refs, st: DecodeStatics, seq, start, lands, bars):
-    self.refs, self.st, self.seq, self.start = refs, st, seq, start
+  def __init__(self, refs: _Refs, st: DecodeStatics, seq, start, steps, lands, bars):
+    self.refs, self.st, self.seq, self.start, self.steps = refs, st, seq, start, steps
     self.lands, self.bars = lands, bars
     self.h = lax.axis_index("head")
     self.layer = None if st.layer_axis is None else refs.layer[0]
@@ -146,9 +146,9 @@ class _Copies:
       dst = self.lands[side].at[slot, pl.ds(p * rows_per_copy, rows_per_copy)]
       plgpu.copy_gmem_to_smem(src, dst, self.bars[side].at[slot])
 
-  def refill(self, i, side: int, ids, steps):
+  def refill(self, i, side: int, ids):
     """Step i's copies of one side into its slot, if the split has a step i."""
-    pl.when(i < steps)(functools.partial(self.issue, i, side, ids))
+    pl.when(i < self.steps)(functools.partial(self.issue, i, side, ids))
 
 
 def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
@@ -182,11 +182,11 @@ def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
 
   def key_loop(head_parity: int, k_land, v_land, v_smem, p_smem, k_staged=None):
     """The split's rounds: ``(acc, m, l_part, v_state)`` after the last."""
-    copies = _Copies(refs, st, seq, start, (k_land, v_land), (k_bars, v_bars))
+    copies = _Copies(refs, st, seq, start, steps, (k_land, v_land), (k_bars, v_bars))
     for i in range(geo.stages):     # the first slots' copies; each later one refills a slot
       ids = copies.block_ids(i)     # as soon as the step before in it has been read
-      copies.refill(i, 0, ids, steps)
-      copies.refill(i, 1, ids, steps)
+      copies.refill(i, 0, ids)
+      copies.refill(i, 1, ids)
     plgpu.barrier_wait(q_bar)
     fac = refs.fac[h]
     v_rows = cast(lax.broadcasted_iota(jnp.int32, (t_keys, d), 0), wgmma_layout)
@@ -220,7 +220,7 @@ def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
                 for j, sc in enumerate(scores)]
       plgpu.commit_smem()          # every thread's reads of the K slots are done
       for j in in_round:
-        copies.refill(later[j], 0, later_ids[j], steps)
+        copies.refill(later[j], 0, later_ids[j])
       visible = [(tok >= lo_tok) & (tok < seq_len) for tok in
                  (tok0 + st.key_offset(j) + st.tokens_per_row * rows for j in in_round)]
       if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
@@ -253,7 +253,7 @@ def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
                                         plgpu.commit_smem))
         pl.when(jnp.logical_not(edge))(functools.partial(ops.prepare_v, v_rows_refs[j], v_dst,
                                                          None, plgpu.commit_smem))
-        copies.refill(later[j], 1, later_ids[j], steps)
+        copies.refill(later[j], 1, later_ids[j])
 
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, v_smem.transpose((1, 0)), p_smem)
