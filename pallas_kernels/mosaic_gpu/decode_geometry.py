@@ -11,9 +11,9 @@ from typing import Optional
 import numpy as np
 
 from pallas_kernels.common import cdiv
+from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.formats import Operands
 from pallas_kernels.mosaic_gpu.tiles import SMEM_BUDGET, copy_piece
-from pallas_kernels.mosaic_gpu import tuning as MT
 
 ALIGN_ROWS = 8             # rows of a tile of the shared-memory layout wgmma reads
 #: Shared memory Mosaic GPU adds to a kernel's buffers (barriers, the cross-warp reduction
