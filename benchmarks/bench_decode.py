@@ -21,7 +21,8 @@ In one run:
   3. peers on bf16: JAX's built-in Pallas ``paged_attention`` (its own [H, pages, N, D] K and V
      arrays) and torch SDPA on dense KV (GQA through enable_gqa);
   4. the per-format summary (:func:`summary`): each kernel's tokens/s vs its bf16 cache,
-     vLLM's, and each bf16 kernel vs torch SDPA, ranges over the shapes;
+     vLLM's, the second kernel's time over the first's, and each bf16 kernel vs torch SDPA,
+     ranges over the shapes;
   5. compiled correctness of each kernel vs ``kvjax.reference.unified_attention`` on small
      problems (every cache dtype the kernel takes, both layouts, GQA 1/4/7/8/16, head sizes
      64..256, window, soft cap, sinks, several splits); the kernel reads a poisoned cache
@@ -329,23 +330,32 @@ def _span(values, fmt="{:.2f}"):
 def summary(rows, peers, kernels):
   """The per-format table (markdown): bytes vs bf16, the ideal speedup, and for each kernel
   its tokens/s vs its bf16 cache over the shapes (NHD / HND ranges); vLLM's tokens/s vs the
-  same bf16 baseline; a last row with each bf16 kernel's tokens/s vs torch SDPA on dense KV
-  at the same shapes."""
+  same bf16 baseline; each further kernel's time over the first kernel's at the same shape
+  and layout; a last row with each bf16 kernel's tokens/s vs torch SDPA on dense KV at the
+  same shapes."""
   formats = list(dict.fromkeys(r["cache_dtype"] for r in rows))
-  head = ["format", "bytes vs bf16", "ideal"] + [f"{k} NHD / HND" for k in kernels] + [
-      "vLLM 0.28 NHD / HND"]
+  others = tuple(kernels[1:])
+  head = (["format", "bytes vs bf16", "ideal"] + [f"{k} NHD / HND" for k in kernels]
+          + ["vLLM 0.28 NHD / HND"] + [f"{k} time / {kernels[0]}'s" for k in others])
   out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for fmt in formats:
     mine = [r for r in rows if r["cache_dtype"] == fmt]
     ratio = mine[0]["bytes_vs_bf16"]
     cells = [fmt, f"{ratio:.3f}", f"{1 / ratio:.2f}"]
-    for k in kernels + ("vllm",):
+    columns = ([("x_bf16", k) for k in kernels] + [("vllm", "vllm")]
+               + [("time", k) for k in others])
+    for what, k in columns:
       parts = []
       for layout in ("NHD", "HND"):
         sel = [r for r in mine if r["layout"] == layout and
-               (r["kernel"] == k if k != "vllm" else "vllm_us" in r)]
-        if k == "vllm":   # vs the first kernel's bf16 row of the same shape and layout
+               (r["kernel"] == k if what != "vllm" else "vllm_us" in r)]
+        if what == "vllm":   # vs the first kernel's bf16 row of the same shape and layout
           vals = [r["us"] / r["vllm_us"] * r.get("x_bf16", 1) for r in sel]
+        elif what == "time":   # over the first kernel's time at the same shape and layout
+          first = {(r["batch"], r["context"]): r["us"] for r in mine
+                   if r["layout"] == layout and r["kernel"] == kernels[0]}
+          vals = [r["us"] / first[(r["batch"], r["context"])] for r in sel
+                  if (r["batch"], r["context"]) in first]
         else:
           vals = [r["x_bf16"] for r in sel if "x_bf16" in r]
         parts.append(_span(vals))
@@ -358,7 +368,7 @@ def summary(rows, peers, kernels):
             if r["kernel"] == k and r["cache_dtype"] == "bfloat16"
             and (r["batch"], r["context"]) in sdpa]
     cells.append(_span(vals))
-  out.append("| " + " | ".join(cells + ["-"]) + " |")
+  out.append("| " + " | ".join(cells + ["-"] * (1 + len(others))) + " |")
   return "\n".join(out)
 
 

@@ -31,16 +31,18 @@ def _decode_kernel_reason(spec, q_dtype, num_tokens, num_seqs, num_q_heads, max_
 def prefer_attention(spec, q_dtype, call):
   """The auto rule (registry ``prefer``): None when ``auto`` should take Mosaic GPU.
 
-  Decode batches the decode kernel runs: where :data:`.tuning.AUTO_DECODE` says it is faster
-  than the Triton decode kernel. Other batches: the ragged kernel's rule
+  Decode batches the decode kernel runs: the formats and layouts where it is faster than the
+  Triton decode kernel (:data:`.tuning.AUTO_DECODE`). Other batches: the ragged kernel's rule
   (:func:`.ragged_attention.prefer_attention`)."""
   if call is not None and RB.is_decode_batch(call.num_tokens, call.num_seqs,
                                              call.max_query_len):
     why = decode_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
     if why is not None:
       return f"decode batch: {why}"
-    return None if MT.AUTO_DECODE else ("decode batch: the Triton decode kernel is faster "
-                                     "(measured)")
+    if (spec.cache_dtype, spec.layout) in MT.AUTO_DECODE:
+      return None
+    return (f"decode batch: the Triton decode kernel is faster on {spec.cache_dtype} "
+            f"{spec.layout} (measured)")
   return R.prefer_attention(spec, q_dtype, call)
 
 

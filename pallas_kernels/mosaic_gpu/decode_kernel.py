@@ -18,8 +18,9 @@ The block walks its split's key steps of T keys, each in one of ``stages`` share
 slots for K and for V:
 
 * **copies**: before the loop, each slot's first step; the block ids of a step's pages are
-  read from the block table a round ahead, and each side of a slot is refilled with the step
-  ``stages`` later as soon as every thread has read it (TMA copies of ``piece`` tokens;
+  read from the block table a round ahead, and both sides of a slot are refilled with the
+  step ``stages`` later once every thread has read its V (one warpgroup barrier a step,
+  the one that makes the step's V buffer visible to wgmma; TMA copies of ``piece`` tokens;
   format hooks say where they land: :mod:`pallas_kernels.mosaic_gpu.formats`). Formats with
   a scale per row (:mod:`.row_formats`) copy from a view of the cache with rows of one or two
   tokens; with two, step j of a round of ``2 T`` tokens holds the tokens of parity j, so
@@ -218,9 +219,6 @@ def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
       scores = pl.run_scoped(qk, *[plgpu.ACC((t_keys, ncol), jnp.float32) for _ in in_round])
       scores = [ops.scale_scores(sc, k_rows[j], fac, q_sums)      # the log2 domain
                 for j, sc in enumerate(scores)]
-      plgpu.commit_smem()          # every thread's reads of the K slots are done
-      for j in in_round:
-        copies.refill(later[j], 0, later_ids[j])
       visible = [(tok >= lo_tok) & (tok < seq_len) for tok in
                  (tok0 + st.key_offset(j) + st.tokens_per_row * rows for j in in_round)]
       if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
@@ -248,11 +246,12 @@ def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
         edge = (first < lo_tok) | (first + st.tokens_per_row * (t_keys - 1) >= seq_len)
         v_dst = v_smem.at[pl.ds(j * t_keys, t_keys)]
         keep = (st.tokens_per_row * v_rows + st.key_offset(j), lo_tok - tok0, seq_len - tok0)
-        # prepare_v ends in commit_smem: every thread's reads of the V slot are done.
+        # prepare_v ends in commit_smem: every thread has read both sides of the slot.
         pl.when(edge)(functools.partial(ops.prepare_v, v_rows_refs[j], v_dst, keep,
                                         plgpu.commit_smem))
         pl.when(jnp.logical_not(edge))(functools.partial(ops.prepare_v, v_rows_refs[j], v_dst,
                                                          None, plgpu.commit_smem))
+        copies.refill(later[j], 0, later_ids[j])
         copies.refill(later[j], 1, later_ids[j])
 
       def pv(acc_ref):

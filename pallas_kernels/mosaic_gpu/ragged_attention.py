@@ -2,9 +2,10 @@
 
 Entry point :func:`ragged_paged_attention`, with the semantics of
 :func:`kvjax.reference.unified_attention`: prefills with a cached prefix and decodes in one
-ragged batch, GQA of any ratio up to 16 (8 at head size 256), causal, sliding window, soft cap, per-head sinks;
-padding tokens and rows with no visible key give 0. :func:`supports_attention` says when
-it applies (None) or why not (a one-line reason). The kernel body and its pipeline are in
+ragged batch, GQA of any ratio up to 16 (8 at head size 256), causal, sliding window, soft
+cap, per-head sinks; padding tokens and rows with no visible key give 0.
+:func:`supports_attention` says when it applies (None) or why not (a one-line reason). The
+kernel body and its pipeline are in
 :mod:`pallas_kernels.mosaic_gpu.kernel`, the tiling in :mod:`pallas_kernels.mosaic_gpu.tiles`.
 
 Static sizes: ``H * (cdiv(T, bq) + S + 1)`` work items (KV head x query tile) with ``bq``

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pallas_kernels.common import gpu_sm_count
 
-#: Whether ``auto`` takes the decode kernel for the decode batches it can run; else the
-#: Triton decode kernel runs them (`mgpu-decode-rule`: slower than the Triton kernel on every
-#: format).
-AUTO_DECODE = False
+#: The (``cache_dtype``, layout) pairs whose decode batches ``auto`` gives the decode kernel;
+#: the Triton decode kernel runs the others (`mgpu-decode-rule`: the decode kernel is faster
+#: at every measured shape only on fp8 per token-head NHD).
+AUTO_DECODE = frozenset({("fp8_per_token_head", "NHD")})
 
 #: Key steps of 64 per softmax update of the decode kernel (1 or 2; formats whose view rows
 #: hold two tokens always take 2): `mgpu-decode-rounds`.
