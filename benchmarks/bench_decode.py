@@ -465,4 +465,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  common.exit_after(main)

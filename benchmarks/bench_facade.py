@@ -77,10 +77,12 @@ class Step:
   ``layered``: one layered (cross-layer) cache tensor for all L layers instead, each call
   passing it whole with ``layer=i`` (``self.layer_ids``; None per layer otherwise)."""
 
-  def __init__(self, dev, seqs, ctx, layers, hq, h, d, rng, layered=False):
+  def __init__(self, dev, seqs, ctx, layers, hq, h, d, rng, layered=False,
+               cache_dtype="auto"):
     self.dev, self.layers = dev, layers
-    self.backend = tb.PagedAttentionBackend(hq, h, d, N, "auto", "NHD", dtype=torch.bfloat16)
-    self.jax_backend = tb.PagedAttentionBackend(hq, h, d, N, "auto", "NHD",
+    self.backend = tb.PagedAttentionBackend(hq, h, d, N, cache_dtype, "NHD",
+                                            dtype=torch.bfloat16)
+    self.jax_backend = tb.PagedAttentionBackend(hq, h, d, N, cache_dtype, "NHD",
                                                 dtype=torch.bfloat16, direct_launch=False)
     blocks = -(-ctx // N)
     num_blocks = seqs * blocks + 1
@@ -88,7 +90,7 @@ class Step:
     for _ in range(1 if layered else layers):
       c = self.backend.allocate_kv_cache(num_blocks, device=dev,
                                          num_layers=layers if layered else None)
-      L.physical_tensor(c, self.backend.spec).normal_()
+      self._fill(c, num_blocks, layers if layered else None)
       self.caches.append(c)
     if layered:
       self.caches = self.caches * layers
@@ -101,6 +103,20 @@ class Step:
     self.qs = [torch.randn(seqs, hq, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
     self.outs = [torch.empty_like(q) for q in self.qs]
     self.kv_gb = layers * seqs * ctx * h * 2 * d * 2 / 1e9
+
+  def _fill(self, cache, num_blocks, layers):
+    """Random contents: normal values in a bf16 / f16 cache, else every slot written with
+    normal K / V (through the facade: the codec's own bytes and scales)."""
+    be = self.jax_backend
+    phys = L.physical_tensor(cache, be.spec)
+    if phys.dtype in (torch.bfloat16, torch.float16):
+      phys.normal_()
+      return
+    slots = torch.arange(num_blocks * N, device=self.dev)
+    shape = (slots.shape[0], be.spec.num_kv_heads, be.spec.head_size)
+    for layer in range(layers or 1):
+      k, v = (torch.randn(shape, device=self.dev, dtype=torch.bfloat16) for _ in range(2))
+      be.do_kv_cache_update(k, v, cache, slots, layer=None if layers is None else layer)
 
   def facade(self, backend=None):
     fwd, md = (backend or self.backend).forward, self.md
@@ -256,7 +272,7 @@ def per_layer_us(run, wait, layers, reps):
 
 def bench_regime(name, seqs, ctx, cfg, dev, rng):
   step = Step(dev, seqs, ctx, cfg["layers"], cfg["hq"], cfg["h"], cfg["d"], rng,
-              cfg.get("layered", False))
+              cfg.get("layered", False), cfg["cache_dtype"])
   torch_wait = lambda r: _sync(dev)
 
   def jax_wait(r):
@@ -395,6 +411,8 @@ def main():
   ap.add_argument("--layers", type=int, default=None)
   ap.add_argument("--layered", action="store_true",
                   help="one layered (cross-layer) cache for all layers, passed with layer=i")
+  ap.add_argument("--cache-dtype", default="auto",
+                  help="the caches' format (a kvjax cache_dtype; default: bf16)")
   ap.add_argument("--host", action="store_true",
                   help="the facade's own host work per call (CPU tensors, stubbed JAX calls)")
   args = ap.parse_args()
@@ -404,6 +422,7 @@ def main():
   if args.layers:
     cfg["layers"] = args.layers
   cfg["layered"] = args.layered
+  cfg["cache_dtype"] = args.cache_dtype
   if args.host:
     row = host_cost(cfg, np.random.default_rng(0), cfg["reps"] * 20)
     print(f"jax {jax.__version__}, torch {torch.__version__}, torch_bridge from "
@@ -419,7 +438,8 @@ def main():
   t0 = time.time()
   print(f"jax {jax.__version__}, torch {torch.__version__}, "
         f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; "
-        f"Hq={cfg['hq']} H={cfg['h']} D={cfg['d']} bf16 decode, float32 matmul precision "
+        f"Hq={cfg['hq']} H={cfg['h']} D={cfg['d']} bf16 decode, cache_dtype "
+        f"{args.cache_dtype!r}, float32 matmul precision "
         f"{torch.get_float32_matmul_precision()!r}")
   rng = np.random.default_rng(0)
   rows = []
@@ -438,4 +458,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  common.exit_after(main)

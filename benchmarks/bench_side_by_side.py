@@ -283,4 +283,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  common.exit_after(main)

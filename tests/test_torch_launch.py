@@ -3,10 +3,12 @@
 CPU: the kernel module a launch compiles is taken from the kernel's CUDA lowering (and a
 function doing more than call the kernel is refused); the facade says which path a call
 takes and why. CUDA (Hopper, jax >= 0.11): the decode launch equals kvjax's reference on
-poisoned caches and outputs for plain and fp8 caches, both layouts, GQA 1 to 16, window,
-soft cap, sinks, split merges; a multi-layer decode step captured in a CUDA graph replays
-correctly after its inputs' contents change, with no host synchronization.
+poisoned caches and outputs for plain, fp8 and int8 / fp8 per-token-head caches, both
+layouts, GQA 1 to 16, window, soft cap, sinks, split merges; a multi-layer decode step
+captured in a CUDA graph replays correctly after its inputs' contents change, with no host
+synchronization.
 """
+import functools
 from types import SimpleNamespace
 
 import jax
@@ -21,6 +23,8 @@ from pallas_kernels.mosaic_gpu import decode as MD
 from pallas_kernels.mosaic_gpu import decode_kernel as DK
 from torch_bridge import mosaic_decode as MDT
 from torch_bridge import mosaic_launch as ML
+from torch_bridge import dtypes as torch_dtypes
+from torch_bridge import layout as L
 from torch_bridge import mosaic_write as MW
 from torch_testing import cache_array, on_cpu, poison, rand_bf16, to_jnp
 
@@ -43,8 +47,9 @@ def _decode_structs(spec, rows=3, seqs=3, width=4, blocks=16, finish=True):
                          finish=finish, num_sms=132)
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)      # noqa: E731
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)    # noqa: E731
-  q = jax.ShapeDtypeStruct((rows, 16, spec.head_size), BF16)
-  cache = jax.ShapeDtypeStruct(spec.physical_shape(blocks), spec.storage_dtype)
+  q = jax.ShapeDtypeStruct((rows, 16, spec.head_size), st.ops.compute)
+  cache = jax.ShapeDtypeStruct(MD.cache_view_shape(spec.physical_shape(blocks), st),
+                               spec.storage_dtype)
   h = spec.num_kv_heads
   return st, [i32(seqs + 1), i32(seqs), i32(seqs * width), f32(h), f32(h), q, cache]
 
@@ -69,6 +74,24 @@ def test_kernel_module_is_the_one_kernel_call():
     return DK.decode_call(qsl, sl, bt, vfac, q, cache, st=st, v_factors=fac, out_dtype=BF16)
   with pytest.raises(ValueError, match="unchanged and in order"):
     ML.kernel_module(swapped, *structs)
+
+
+@pytest.mark.parametrize("cache_dtype,layout", [("int8_per_token_head", "NHD"),
+                                                ("fp8_per_token_head", "HND")])
+def test_kernel_module_of_a_per_token_head_cache_takes_its_row_view(cache_dtype, layout):
+  """A per-token-head cache is launched as a view whose rows are 16 bytes apart (two tokens a
+  row here: a token's rows are 8 bytes off 16), the same bytes as the physical tensor."""
+  spec = kvjax.KVCacheSpec(1, 128, 16, cache_dtype, layout=layout, dtype=BF16)
+  st, structs = _decode_structs(spec)
+  physical = spec.physical_shape(16)
+  assert structs[-1].shape != physical and np.prod(structs[-1].shape) == np.prod(physical)
+  assert structs[-1].shape[-1] * spec.itemsize % 16 == 0
+
+  def fn(qsl, sl, bt, fac, vfac, q, cache):
+    return DK.decode_call(qsl, sl, bt, fac, q, cache, st=st, v_factors=vfac, out_dtype=BF16)
+  module = ML.kernel_module(fn, *structs)
+  assert module.inputs[-1] == (tuple(structs[-1].shape), np.dtype(spec.storage_dtype))
+  assert module.inputs[-2] == ((3, 16, 128), np.dtype(st.ops.compute))
 
 
 @pytest.mark.skipif(MDT.JAX_VERSION < (0, 11), reason="a Ref argument of a Mosaic GPU kernel "
@@ -96,9 +119,14 @@ def test_spec_reason_names_what_the_kernel_cannot_read():
                          torch.bfloat16, 32) is None
   assert MDT.spec_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8", dtype=BF16),
                          torch.bfloat16, 32) is None
-  why = MDT.spec_reason(kvjax.KVCacheSpec(8, 128, 16, "int8_per_token_head", dtype=BF16),
+  for name in ("int8_per_token_head", "fp8_per_token_head"):
+    spec = kvjax.KVCacheSpec(8, 128, 16, name, dtype=BF16)
+    assert MDT.spec_reason(spec, torch.bfloat16, 32) is None
+    assert "layered" in MDT.layered_reason(spec)
+  assert MDT.layered_reason(kvjax.KVCacheSpec(8, 128, 16, "fp8", dtype=BF16)) is None
+  why = MDT.spec_reason(kvjax.KVCacheSpec(8, 128, 16, "int4_per_token_head", dtype=BF16),
                         torch.bfloat16, 32)
-  assert why is not None and "Mosaic GPU" in why
+  assert why is not None and "Triton kernel" in why
   assert "GQA group 11" in MDT.spec_reason(
       kvjax.KVCacheSpec(8, 128, 16, "bfloat16", dtype=BF16), torch.bfloat16, 88)
   assert "head_size=96" in MDT.spec_reason(
@@ -138,6 +166,86 @@ def test_facade_says_which_path_a_call_takes(rng):
   assert ref.direct_reason("cuda", md) == "impl='reference'"
 
 
+# -- CPU, jax >= 0.11: the launch's operands, the kernel in interpret mode ----------------------
+class _InterpretedLaunch:
+  """Stands in for :class:`torch_bridge.mosaic_launch.TorchLaunch` on the CPU: checks the
+  buffers as a launch does, runs the module's function (the kernel, interpret mode) on the
+  inputs' values and writes its results into the output tensors."""
+
+  def __init__(self, module, device):
+    self.module, self.fn = module, jax.jit(module.fn)
+
+  def launch(self, *buffers):
+    n = len(self.module.inputs)
+    for i, (t, (shape, dtype)) in enumerate(zip(buffers, self.module.inputs +
+                                                self.module.outputs, strict=True)):
+      assert (tuple(t.shape), np.dtype(torch_dtypes.numpy_dtype(t.dtype))) == (shape, dtype), i
+      assert t.is_contiguous(), i
+    args = [jnp.asarray(t.view(torch.int16).numpy().view(torch_dtypes.numpy_dtype(t.dtype)))
+            if t.dtype in (torch.bfloat16, torch.float16) else jnp.asarray(t.numpy())
+            for t in buffers[:n]]
+    results = self.fn(*args)
+    for t, r in zip(buffers[n:], results if isinstance(results, tuple) else (results,)):
+      t.copy_(torch.from_numpy(np.array(r, np.float32)))
+
+
+def _interpreted_module(fn, *structs):
+  outs = jax.eval_shape(fn, *structs)
+  outs = outs if isinstance(outs, tuple) else (outs,)
+  return SimpleNamespace(fn=fn, inputs=tuple((tuple(x.shape), np.dtype(x.dtype)) for x in structs),
+                         outputs=tuple((tuple(x.shape), np.dtype(x.dtype)) for x in outs))
+
+
+@pytest.mark.skipif(MDT.JAX_VERSION < (0, 11), reason="Mosaic GPU interpret mode: jax >= 0.11")
+@pytest.mark.parametrize("cache_dtype,layout,h,g,d,n,lens,width,opts", [
+    ("int8_per_token_head", "NHD", 2, 4, 64, 16, [100, 1, 77], 8, dict(sinks=True)),
+    ("fp8_per_token_head", "HND", 2, 2, 64, 16, [40, 129], 12,
+     dict(sliding_window=50, soft_cap=20.0)),
+    ("fp8_per_token_head", "NHD", 1, 8, 128, 16, [500, 3, 250], 32, dict(splits=True)),
+])
+def test_launch_operands_equal_reference_in_interpret_mode(monkeypatch, rng, cache_dtype,
+                                                           layout, h, g, d, n, lens, width,
+                                                           opts):
+  """What a torch launch passes the decode kernel (the cache's row view, the float16 query,
+  the factors) and what it does with the results (split partials merged in torch), the
+  kernel run in Mosaic GPU interpret mode on the same tensors: equal to the reference over a
+  poisoned cache; the row of no sequence is 0."""
+  opts = dict(opts)
+  if opts.pop("splits", False):
+    monkeypatch.setattr(MDT, "MIN_STEPS_PER_SPLIT", 4)
+  monkeypatch.setattr(ML, "kernel_module", _interpreted_module)
+  monkeypatch.setattr(ML, "TorchLaunch", _InterpretedLaunch)
+  monkeypatch.setattr(MD, "decode_statics", functools.partial(MD.decode_statics, interpret=True))
+  monkeypatch.setattr(torch.cuda, "get_device_properties",
+                      lambda device: SimpleNamespace(multi_processor_count=132))
+  sinks = rng.standard_normal(h * g).astype(np.float32) if opts.pop("sinks", False) else None
+  backend = tb.PagedAttentionBackend(h * g, h, d, n, cache_dtype, layout, dtype=torch.bfloat16,
+                                     sinks=sinks, **opts)
+  spec = backend.spec
+  num_blocks = len(lens) * width + 3
+  bt = rng.permutation(num_blocks)[:len(lens) * width].reshape(len(lens), width)
+  cache = backend.allocate_kv_cache(num_blocks)
+  poison(rng, cache, spec)
+  slots = np.concatenate([bt[s, np.arange(ln) // n] * n + np.arange(ln) % n
+                          for s, ln in enumerate(lens)])
+  key, value = (rand_bf16(rng, (len(slots), h, d)) for _ in range(2))
+  backend.do_kv_cache_update(key, value, cache, torch.from_numpy(slots))
+  md = _decode_metadata("cpu", lens, width, num_blocks, rng)
+  md.block_table.copy_(torch.from_numpy(bt.astype(np.int32)))
+  q = rand_bf16(rng, (len(lens) + 1, h * g, d))          # one padding row: its output is 0
+  out = torch.full_like(q, float("nan"))
+  run = MDT.TorchDecode(spec, h * g, d ** -0.5, opts.get("sliding_window"),
+                        opts.get("soft_cap"), sinks)
+  run(q, L.physical_tensor(cache, spec), *md.int32_tensors(), out)
+  (entry,) = run._compiled.values()
+  assert (entry.st.num_splits > 1) == (width == 32)
+  want = _reference(to_jnp(q), cache_array(cache, spec), spec, md, None, None, scale=d ** -0.5,
+                    sinks=None if sinks is None else jnp.asarray(sinks), **opts)
+  got = out.float().numpy()
+  assert np.isfinite(got).all() and not got[-1].any()
+  np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
+
+
 # -- CUDA: numerics, graph capture --------------------------------------------------------------
 def _reference(q, cache, spec, md, ks, vs, **opts):
   meta = {n: on_cpu(getattr(md, n).cpu().numpy())
@@ -154,6 +262,10 @@ LAUNCH_CASES = [
     ("fp8", "NHD", 4, 2, 128, 16, [77, 5, 260], 20, dict(sinks=True)),
     ("fp8", "HND", 1, 1, 256, 64, [1000], 16, dict(sinks=True, sliding_window=300)),
     ("float16", "NHD", 2, 7, 64, 16, [33, 2], 4, {}),
+    ("int8_per_token_head", "NHD", 2, 4, 128, 16, [300, 1, 77], 24, dict(sinks=True)),
+    ("fp8_per_token_head", "HND", 4, 2, 64, 16, [40, 129], 12,
+     dict(sliding_window=50, soft_cap=20.0)),
+    ("fp8_per_token_head", "NHD", 1, 8, 128, 16, [4000, 3, 2500], 256, {}),   # split merge
     # block tables of >= 2 * MIN_STEPS_PER_SPLIT key steps: split partials merged in torch
     ("bfloat16", "NHD", 2, 4, 128, 16, [4000, 3, 2500], 256, dict(sinks=True)),
     # prefills of >= 128 tokens (with decodes): the ragged kernel
@@ -246,7 +358,7 @@ def test_layered_cache_launches_every_layer(rng, layout, cache_dtype):
 
 
 @requires_launch
-@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8", "fp8_per_token_head"])
 def test_captured_decode_step_replays_new_contents(rng, cache_dtype):
   """Four layers of decode attention captured the way vLLM captures a step (a side stream,
   the graph's own memory pool, static input tensors), replayed after new queries, lengths

@@ -52,7 +52,11 @@ class TorchLaunches:
       return why
     device = torch.device(device)
     if max_query_len <= 1:
-      return self._launcher(self._decode, device, self._new_decode)
+      got = self._launcher(self._decode, device, self._new_decode)
+      if layered and not isinstance(got, str):
+        from torch_bridge import mosaic_decode as MDT   # noqa: PLC0415
+        return MDT.layered_reason(self.spec) or got
+      return got
     from pallas_kernels.mosaic_gpu import tuning as MT   # noqa: PLC0415
     if max_query_len < MT.AUTO_MIN_QUERY_LEN:
       return (f"max_query_len={max_query_len}: below {MT.AUTO_MIN_QUERY_LEN} the Triton "

@@ -2,7 +2,9 @@
 
 :class:`TorchDecode` runs :mod:`pallas_kernels.mosaic_gpu.decode_kernel` on torch tensors
 (the packed cache, a decode step's int32 metadata, the query) and writes into the caller's
-output. A call is one kernel launch on ``torch.cuda.current_stream()``
+output: plain, fp8 per-tensor and int8 / fp8 per-token-head caches (these through a view of
+the cache with rows 16 bytes apart, :func:`pallas_kernels.mosaic_gpu.decode.cache_view_shape`,
+no copy). A call is one kernel launch on ``torch.cuda.current_stream()``
 (:mod:`torch_bridge.mosaic_launch`), plus a few torch ops where they are due: a padded /
 float16 copy of the query (a head count the kernel's 16-row copies do not tile, an fp8 cache
 read with float16 operands), the K / V scale factors when they are tensors, and the merge
@@ -60,10 +62,20 @@ def spec_reason(spec: KVCacheSpec, q_dtype, num_heads: int) -> Optional[str]:
   if num_heads % spec.num_kv_heads:
     return f"num_heads={num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
   hooks = MD.ADAPTERS.hooks(spec.codec)
-  if hooks is not None and hooks.row_scaled:
-    return (f"cache_dtype={spec.cache_dtype!r}: torch launches the Mosaic GPU decode kernel "
-            "for plain and fp8 per-tensor caches (per-token-head caches go through JAX)")
+  if hooks is not None and hooks.num_q_sums:
+    return (f"cache_dtype={spec.cache_dtype!r}: its decode through JAX (the Triton kernel) is "
+            "faster than the Mosaic GPU decode kernel launched from torch (measured)")
   return MD.decode_reason(spec, dtypes.numpy_dtype(q_dtype), num_heads // spec.num_kv_heads)
+
+
+def layered_reason(spec: KVCacheSpec) -> Optional[str]:
+  """None when the decode kernel reads a layered (5-D) cache of ``spec`` in place, else why
+  not (a per-token-head format: its kernel reads one layer's cache)."""
+  hooks = MD.ADAPTERS.hooks(spec.codec)
+  if hooks is not None and hooks.row_scaled:
+    return (f"a layered {spec.cache_dtype} cache: the decode kernel reads one layer's cache of "
+            "a per-token-head format")
+  return None
 
 
 @dataclasses.dataclass
@@ -108,7 +120,7 @@ class TorchDecode(ML.AttentionLaunch):
       if st.sinks:
         structs.append(f32(hq_pad))
     structs += [jax.ShapeDtypeStruct((rows, hq_pad, d), st.ops.compute),
-                jax.ShapeDtypeStruct(cache_shape, spec.storage_dtype)]
+                jax.ShapeDtypeStruct(MD.cache_view_shape(cache_shape, st), spec.storage_dtype)]
     if layered:
       structs.append(i32(1))
 
@@ -187,6 +199,8 @@ class TorchDecode(ML.AttentionLaunch):
     entry = self._entry(q, num_seqs, max_blocks, tuple(cache.shape))
     st, device = entry.st, q.device
     cache = cache.view(dtypes.torch_dtype(self.spec.storage_dtype))   # uint8 fp8 -> fp8
+    if st.ops.row_scaled:
+      cache = cache.view(MD.cache_view_shape(cache.shape, st))
     qk = self._q_operand(entry, q)
     fac, vfac = self._factors(device, k_scale, v_scale)
     meta = (query_start_loc, seq_lens, block_table.view(-1))

@@ -96,18 +96,27 @@ def _row_view(spec: KVCacheSpec) -> dict:
               content_dim=c)
 
 
-def cache_view(cache, st):
-  """The array a row-scaled format's kernel copies from (a reshape, no copy): rows of
+def cache_view_shape(shape, st) -> tuple:
+  """The shape of :func:`cache_view` for a physical cache of ``shape``: rows of
   ``r = st.tokens_per_row`` tokens, ``(B, N / r, r * H * C)`` for NHD, ``(B, H, N / r, r * C)``
-  for HND. Other formats: the cache itself."""
+  for HND. Other formats: ``shape``."""
+  shape = tuple(shape)
   if not st.ops.row_scaled:
-    return cache
+    return shape
   r = st.tokens_per_row
   if st.layout == "NHD":
-    b, n, h, c = cache.shape
-    return cache.reshape(b, n // r, r * h * c)
-  b, h, n, c = cache.shape
-  return cache.reshape(b, h, n // r, r * c)
+    b, n, h, c = shape
+    return (b, n // r, r * h * c)
+  b, h, n, c = shape
+  return (b, h, n // r, r * c)
+
+
+def cache_view(cache, st):
+  """The array a row-scaled format's kernel copies from (a reshape, no copy:
+  :func:`cache_view_shape`). Other formats: the cache itself."""
+  if not st.ops.row_scaled:
+    return cache
+  return cache.reshape(cache_view_shape(cache.shape, st))
 
 
 def padded_heads(num_heads: int, geo) -> int:
