@@ -2,6 +2,7 @@
 gives no verdict on them, and writes no file unless asked (``--json`` / ``$OUT``).
 
 bench_prefill.py's smoke run is tests/test_bench_prefill.py's."""
+import json
 import os
 import subprocess
 import sys
@@ -40,5 +41,14 @@ def test_smoke_run_says_what_its_numbers_are_worth(tmp_path, script):
 
 
 def test_smoke_run_writes_where_asked(tmp_path):
-  _smoke(tmp_path, "bench_facade.py", "--json", "facade.json")
+  """Also a quantized format's caches (filled through the facade's writes): the facade's and
+  the floor loop's results equal the direct call's."""
+  out = _smoke(tmp_path, "bench_facade.py", "--json", "facade.json", "--cache-dtype",
+               "fp8_per_token_head")
   assert os.listdir(tmp_path) == ["facade.json"]
+  assert "cache_dtype 'fp8_per_token_head'" in out
+  with open(tmp_path / "facade.json") as f:
+    rows = json.load(f)["rows"]
+  assert len(rows) == 2
+  for row in rows:
+    assert row["max_abs_diff"] == row["jax_max_abs_diff"] == row["floor_max_abs_diff"] == 0
