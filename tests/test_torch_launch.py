@@ -21,10 +21,10 @@ import kvjax
 import torch_bridge as tb
 from pallas_kernels.mosaic_gpu import decode as MD
 from pallas_kernels.mosaic_gpu import decode_kernel as DK
-from torch_bridge import mosaic_decode as MDT
-from torch_bridge import mosaic_launch as ML
 from torch_bridge import dtypes as torch_dtypes
 from torch_bridge import layout as L
+from torch_bridge import mosaic_decode as MDT
+from torch_bridge import mosaic_launch as ML
 from torch_bridge import mosaic_write as MW
 from torch_testing import cache_array, on_cpu, poison, rand_bf16, to_jnp
 
