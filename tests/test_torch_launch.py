@@ -181,9 +181,9 @@ class _InterpretedLaunch:
                                                 self.module.outputs, strict=True)):
       assert (tuple(t.shape), np.dtype(torch_dtypes.numpy_dtype(t.dtype))) == (shape, dtype), i
       assert t.is_contiguous(), i
-    args = [jnp.asarray(t.view(torch.int16).numpy().view(torch_dtypes.numpy_dtype(t.dtype)))
-            if t.dtype in (torch.bfloat16, torch.float16) else jnp.asarray(t.numpy())
-            for t in buffers[:n]]
+    raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32}     # numpy lacks bf16 / fp8
+    args = [jnp.asarray(t.view(raw[t.element_size()]).numpy().view(
+        torch_dtypes.numpy_dtype(t.dtype))) for t in buffers[:n]]
     results = self.fn(*args)
     for t, r in zip(buffers[n:], results if isinstance(results, tuple) else (results,)):
       t.copy_(torch.from_numpy(np.array(r, np.float32)))
@@ -202,6 +202,8 @@ def _interpreted_module(fn, *structs):
     ("fp8_per_token_head", "HND", 2, 2, 64, 16, [40, 129], 12,
      dict(sliding_window=50, soft_cap=20.0)),
     ("fp8_per_token_head", "NHD", 1, 8, 128, 16, [500, 3, 250], 32, dict(splits=True)),
+    ("bfloat16", "HND", 2, 4, 64, 16, [100, 1, 77], 8, dict(sinks=True)),
+    ("fp8", "NHD", 2, 4, 128, 16, [40, 129], 12, dict(soft_cap=20.0)),
 ])
 def test_launch_operands_equal_reference_in_interpret_mode(monkeypatch, rng, cache_dtype,
                                                            layout, h, g, d, n, lens, width,
