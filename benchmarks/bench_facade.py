@@ -102,7 +102,9 @@ class Step:
         as_t(table), as_t(table[:, 0] * N), max_query_len=1, max_seq_len=ctx)
     self.qs = [torch.randn(seqs, hq, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
     self.outs = [torch.empty_like(q) for q in self.qs]
-    self.kv_gb = layers * seqs * ctx * h * 2 * d * 2 / 1e9
+    spec = self.backend.spec
+    token_bytes = int(np.prod(spec.physical_shape(1))) * spec.itemsize / N
+    self.kv_gb = layers * seqs * ctx * token_bytes / 1e9
 
   def _fill(self, cache, num_blocks, layers):
     """Random contents: normal values in a bf16 / f16 cache, else every slot written with
