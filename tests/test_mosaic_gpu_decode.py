@@ -28,7 +28,9 @@ from pallas_kernels.mosaic_gpu import decode_geometry as DG
 from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
 from pallas_kernels.mosaic_gpu.adapters import ADAPTERS
+from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
 from pallas_kernels.mosaic_gpu.formats import Fp8Operands, PlainOperands
+from pallas_kernels.mosaic_gpu.group_formats import Nvfp4Operands
 from pallas_kernels.mosaic_gpu.row_formats import RowScaledOperands
 
 BF16 = jnp.bfloat16
@@ -105,8 +107,14 @@ def test_decode_reason():
   assert "256 data bytes + 16 <= 256" in decode_reason(
       kvjax.KVCacheSpec(8, 256, 16, "int8_per_token_head"), BF16)
   assert decode_reason(kvjax.KVCacheSpec(8, 128, 16, "int4_per_token_head"), BF16) is None
-  assert "has no Mosaic GPU adapter" in decode_reason(
-      kvjax.KVCacheSpec(8, 128, 16, "nvfp4", layout="HND"), BF16)
+  nvfp4 = kvjax.KVCacheSpec(8, 128, 16, "nvfp4", layout="HND")
+  if JAX_VERSION < (0, 11):
+    assert "jax >= 0.11" in decode_reason(nvfp4, BF16)
+  else:
+    assert decode_reason(nvfp4, BF16) is None
+    assert "head_size=64" in decode_reason(kvjax.KVCacheSpec(2, 64, 16, "nvfp4",
+                                                             layout="HND"), BF16)
+  assert ADAPTERS.hooks(nvfp4.codec) is Nvfp4Operands
   assert "head_size=80" in decode_reason(kvjax.KVCacheSpec(8, 80, 16, dtype=BF16), BF16)
   assert "differs" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), jnp.float16)
   assert "float32" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), jnp.float32)
@@ -198,7 +206,8 @@ def test_auto_rule_for_decode_batches():
       assert f"faster on {spec.cache_dtype} {layout}" in why
   assert ("fp8_per_token_head", "NHD") in MT.AUTO_DECODE
   nvfp4 = kvjax.KVCacheSpec(8, 128, 16, "nvfp4", layout="HND")
-  assert "has no Mosaic GPU adapter" in MA.prefer_attention(nvfp4, BF16, call(64, 64, 1))
+  assert ("not timed on nvfp4" if JAX_VERSION >= (0, 11) else "jax >= 0.11") in \
+      MA.prefer_attention(nvfp4, BF16, call(64, 64, 1))
   # not a decode batch: the ragged kernel's rule
   assert "Triton kernels are faster" in MA.prefer_attention(plain, BF16, call(64, 16, 4))
   assert MA.prefer_attention(plain, BF16, call(16384, 4, 4096)) is None
@@ -212,6 +221,9 @@ def test_auto_rule_for_decode_batches():
 
 
 # -- lowering for CUDA -------------------------------------------------------------------------
+#: nvfp4's hooks concatenate registers and store through reshaped views: jax >= 0.11.
+NEEDS_JAX_011 = pytest.mark.skipif(JAX_VERSION < (0, 11), reason="nvfp4 hooks: jax >= 0.11")
+
 LOWER_CASES = [
     # cache_dtype, layout, H, G, D, N, kwargs
     ("bfloat16", "NHD", 2, 4, 128, 16, {}),
@@ -230,6 +242,9 @@ LOWER_CASES = [
                  marks=pytest.mark.slow),
     pytest.param("int4_per_token_head", "NHD", 1, 4, 256, 16, dict(finish=True),
                  marks=pytest.mark.slow),
+    pytest.param("nvfp4", "HND", 2, 4, 128, 16, dict(num_splits=2), marks=NEEDS_JAX_011),
+    pytest.param("nvfp4", "HND", 1, 8, 256, 64, dict(finish=True, sinks=True),
+                 marks=NEEDS_JAX_011),
 ]
 
 
@@ -286,6 +301,10 @@ NUMERICS_CASES = [
                                                                        soft_cap=5.0)),
     ("int4_per_token_head", "HND", 1, 7, 64, 32, [200, 5], dict(sliding_window=40, sinks=True,
                                                               finish=True)),
+    # nvfp4: group scales staged per step (K per token, V 4x4-swizzled), dims [even | odd]
+    ("nvfp4", "HND", 2, 4, 128, 16, [1, 70, 0, 130], dict(num_splits=2, soft_cap=5.0)),
+    ("nvfp4", "HND", 1, 7, 128, 32, [200, 5], dict(sliding_window=40, sinks=True,
+                                                  finish=True)),
 ]
 
 

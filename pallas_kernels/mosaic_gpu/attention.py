@@ -1,9 +1,10 @@
 """The Mosaic GPU implementation of ``kvjax.unified_attention``: the decode or the ragged kernel.
 
 A pure decode batch (static ``max_query_len == 1`` and ``T == S``) of a format with Mosaic GPU
-hooks (:mod:`.formats`, :mod:`.row_formats`: plain bf16 / f16, fp8 per tensor, int8 / fp8 /
-int4 per token-head) and a GQA group whose queries fit the kernel's 16 query columns takes
-the decode kernel (:mod:`.decode`); everything else the ragged kernel
+hooks (:mod:`.formats`, :mod:`.row_formats`, :mod:`.group_formats`: plain bf16 / f16, fp8 per
+tensor, int8 / fp8 / int4 per token-head, nvfp4) and a GQA group whose queries fit the
+kernel's 16 query columns takes the decode kernel (:mod:`.decode`); everything else the ragged
+kernel
 (:mod:`.ragged_attention`, quantized formats through a plain copy of the pages).
 :func:`prefer_attention` is the measured rule that says where ``auto`` takes either.
 """
@@ -41,6 +42,9 @@ def prefer_attention(spec, q_dtype, call):
       return f"decode batch: {why}"
     if (spec.cache_dtype, spec.layout) in MT.AUTO_DECODE:
       return None
+    if spec.cache_dtype in MT.UNTIMED_DECODE:
+      return (f"decode batch: the decode kernel is not timed on {spec.cache_dtype} yet (the "
+              "Triton decode kernel runs it)")
     return (f"decode batch: the Triton decode kernel is faster on {spec.cache_dtype} "
             f"{spec.layout} (measured)")
   return R.prefer_attention(spec, q_dtype, call)

@@ -97,10 +97,16 @@ def _row_view(spec: KVCacheSpec) -> dict:
 
 
 def cache_view_shape(shape, st) -> tuple:
-  """The shape of :func:`cache_view` for a physical cache of ``shape``: rows of
-  ``r = st.tokens_per_row`` tokens, ``(B, N / r, r * H * C)`` for NHD, ``(B, H, N / r, r * C)``
-  for HND. Other formats: ``shape``."""
+  """The shape of :func:`cache_view` for a physical cache of ``shape``. Row-scaled formats:
+  rows of ``r = st.tokens_per_row`` tokens, ``(B, N / r, r * H * C)`` for NHD,
+  ``(B, H, N / r, r * C)`` for HND. Formats with group scales (nvfp4, HND ``(B, 2H, N, F)``):
+  per block and side, rows of ``D/2`` bytes, ``(B, 2, H N F / (D/2), D/2)``
+  (:mod:`.group_formats`). Other formats: ``shape``."""
   shape = tuple(shape)
+  if st.ops.scale_copies:    # HND (B, 2H, N, F): per side, rows of D/2 bytes
+    b, heads, n, f = shape
+    w = st.geo.head_size // 2
+    return (b, 2, heads // 2 * n * f // w, w)
   if not st.ops.row_scaled:
     return shape
   r = st.tokens_per_row
@@ -114,7 +120,7 @@ def cache_view_shape(shape, st) -> tuple:
 def cache_view(cache, st):
   """The array a row-scaled format's kernel copies from (a reshape, no copy:
   :func:`cache_view_shape`). Other formats: the cache itself."""
-  if not st.ops.row_scaled:
+  if not (st.ops.row_scaled or st.ops.scale_copies):
     return cache
   return cache.reshape(cache_view_shape(cache.shape, st))
 

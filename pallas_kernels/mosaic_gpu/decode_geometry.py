@@ -69,7 +69,7 @@ class DecodeGeometry:
     t, d = self.block_kv, self.head_size
     compute = np.dtype(ops.compute).itemsize
     land = 2 * self.stages * t * ops.landing_cols(d) * np.dtype(ops.storage).itemsize
-    loop = land + self.round_steps * t * (d + self.cols) * compute
+    loop = land + 2 * ops.scratch_bytes(t, d) + self.round_steps * t * (d + self.cols) * compute
     if finish:
       epilogue = (d + t) * self.cols * compute + t * d * 2
     else:
@@ -164,6 +164,9 @@ class DecodeStatics:
     if self.ops.row_scaled and self.layer_axis is not None:
       raise ValueError("a layered cache of a row-scaled format: the decode kernel reads one "
                        "layer's cache")
+    if self.ops.scale_copies and self.geo.round_steps != 1:
+      raise ValueError("group scales are staged once a step: round_steps must be 1, got "
+                       f"{self.geo.round_steps}")
     if self.geo.round_steps % self.tokens_per_row:
       raise ValueError(f"rows of {self.tokens_per_row} tokens: a round's steps take one token "
                        f"parity each, round_steps={self.geo.round_steps} must be a multiple")

@@ -20,11 +20,13 @@ slots for K and for V:
 * **copies**: before the loop, each slot's first step; the block ids of a step's pages are
   read from the block table a round ahead, and both sides of a slot are refilled with the
   step ``stages`` later once every thread has read its V (one warpgroup barrier a step,
-  the one that makes the step's V buffer visible to wgmma; TMA copies of ``piece`` tokens;
-  format hooks say where they land: :mod:`pallas_kernels.mosaic_gpu.formats`). Formats with
-  a scale per row (:mod:`.row_formats`) copy from a view of the cache with rows of one or two
-  tokens; with two, step j of a round of ``2 T`` tokens holds the tokens of parity j, so
-  that every row of a slot lands at the same offset (``landing_offsets``);
+  the one that makes the step's V buffer visible to wgmma; TMA copies of ``piece`` tokens,
+  :mod:`.decode_copies`; format hooks say where they land:
+  :mod:`pallas_kernels.mosaic_gpu.formats`). Formats with a scale per row
+  (:mod:`.row_formats`) copy from a view of the cache with rows of one or two tokens; with
+  two, step j of a round of ``2 T`` tokens holds the tokens of parity j, so that every row of
+  a slot lands at the same offset (``landing_offsets``). nvfp4 (:mod:`.group_formats`) copies
+  each piece's data rows and scale rows, two copies on the slot's barrier;
 * **compute**: rounds of ``u = geo.round_steps`` steps, one softmax update each: per step
   the format hook builds the K operand and ``S^T``'s wgmma is issued (the next step's K is
   built while one runs), then scales (softmax scale x K scale x log2 e, one float per head;
@@ -62,24 +64,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu.compat import interpret_params
+from pallas_kernels.mosaic_gpu.decode_copies import Copies
 from pallas_kernels.mosaic_gpu.decode_geometry import ALIGN_ROWS, DecodeStatics
 from pallas_kernels.mosaic_gpu.decode_parts import M_INIT, column_values, row_sequence, staged
 
-
-
-def _kv_box(cache_ref, st: DecodeStatics, blk, h, row0, nrows, col0, ncols, layer=None):
-  """``(nrows, ncols)`` GMEM box of head h: rows row0.. of page blk (tokens, or for
-  row-scaled formats rows of ``tokens_per_row`` tokens), storage columns col0.. of a row (of
-  ``layer`` in a layered cache)."""
-  rows, cols = pl.ds(row0, nrows), pl.ds(col0, ncols)
-  if st.ops.row_scaled:            # the cache_view: NHD heads are columns of a row
-    if st.layout == "NHD":
-      return cache_ref.at[blk, rows, cols]
-    return cache_ref.at[blk, h, rows, cols]
-  index = [blk, rows, h, cols] if st.layout == "NHD" else [blk, h, rows, cols]
-  if st.layer_axis is not None:
-    index.insert(st.layer_axis, layer)
-  return cache_ref.at[tuple(index)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,57 +87,6 @@ class _Refs:
   acc: object = None
   ml: object = None
   out: object = None
-
-
-class _Copies:
-  """The K/V copies of one block: step i of its split (``steps`` in all) lands in slot
-  ``i % stages`` of ``k_land`` / ``v_land`` and arrives on that slot's barrier."""
-
-  def __init__(self, refs: _Refs, st: DecodeStatics, seq, start, steps, lands, bars):
-    self.refs, self.st, self.seq, self.start, self.steps = refs, st, seq, start, steps
-    self.lands, self.bars = lands, bars
-    self.h = lax.axis_index("head")
-    self.layer = None if st.layer_axis is None else refs.layer[0]
-
-  def first_key(self, i):
-    """The first token of the cache step i's copies read (its span: ``st.step_span``)."""
-    st, u = self.st, self.st.geo.round_steps
-    round0 = (self.start + lax.div(i, u)) * st.span
-    return round0 if st.tokens_per_row == 2 else round0 + lax.rem(i, u) * st.geo.block_kv
-
-  def block_ids(self, i):
-    """The block of each piece of step i's span (loaded together: the loads overlap; K and
-    V of the step share them). Clamped: any i reads a valid entry."""
-    st = self.st
-    ids = []
-    for p in range(st.copies_per_step):
-      page = jnp.minimum(lax.div(self.first_key(i) + p * st.piece, st.geo.block_size),
-                         st.max_blocks - 1)
-      ids.append(jnp.clip(self.refs.bt[self.seq * st.max_blocks + page], 0,
-                          st.num_blocks - 1))
-    return ids
-
-  def issue(self, i, side: int, ids):
-    """Step i's copies of one side (0: K, 1: V) from blocks ``ids``."""
-    st, d = self.st, self.st.geo.head_size
-    r_tok = st.tokens_per_row
-    rows_per_copy = st.piece // r_tok
-    row_len = st.content_dim * (st.num_kv_heads if st.layout == "NHD" else 1)
-    head_col = self.h * st.content_dim if st.layout == "NHD" and st.ops.row_scaled else 0
-    slot = lax.rem(i, st.geo.stages)
-    col = lax.rem(i, r_tok) * row_len + head_col + side * (st.side_dim or d)
-    col = col - lax.rem(col, 16)      # a box starts on 16 bytes: see landing_offsets
-    width = st.ops.landing_cols(d)
-    for p, blk in enumerate(ids):
-      row0 = lax.div(lax.rem(self.first_key(i) + p * st.piece, st.geo.block_size), r_tok)
-      src = _kv_box(self.refs.cache, st, blk, self.h, row0, rows_per_copy, col, width,
-                    self.layer)
-      dst = self.lands[side].at[slot, pl.ds(p * rows_per_copy, rows_per_copy)]
-      plgpu.copy_gmem_to_smem(src, dst, self.bars[side].at[slot])
-
-  def refill(self, i, side: int, ids):
-    """Step i's copies of one side into its slot, if the split has a step i."""
-    pl.when(i < self.steps)(functools.partial(self.issue, i, side, ids))
 
 
 def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
@@ -183,7 +120,7 @@ def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
 
   def key_loop(head_parity: int, k_land, v_land, v_smem, p_smem, k_staged=None):
     """The split's rounds: ``(acc, m, l_part, v_state)`` after the last."""
-    copies = _Copies(refs, st, seq, start, steps, (k_land, v_land), (k_bars, v_bars))
+    copies = Copies(refs, st, seq, start, steps, (k_land, v_land), (k_bars, v_bars))
     for i in range(geo.stages):     # the first slots' copies; each later one refills a slot
       ids = copies.block_ids(i)     # as soon as the step before in it has been read
       copies.refill(i, 0, ids)
@@ -204,8 +141,10 @@ def _kernel(refs: _Refs, q_smem, q_bar, k_bars, v_bars, *, st: DecodeStatics,
       later = [k * u + j + geo.stages for j in in_round]      # the steps that refill them
       later_ids = [copies.block_ids(i) for i in later]      # loaded while this round runs
       offsets = [st.landing_offsets(head_parity, st.step_parity(j)) for j in in_round]
-      k_rows = [_landed(k_land.at[slots[j]], st, offsets[j][0]) for j in in_round]
-      v_rows_refs = [_landed(v_land.at[slots[j]], st, offsets[j][1]) for j in in_round]
+      k_rows = [_landed(ops.step_slot(k_land, slots[j], st.interpret), st, offsets[j][0])
+                for j in in_round]
+      v_rows_refs = [_landed(ops.step_slot(v_land, slots[j], st.interpret), st, offsets[j][1])
+                     for j in in_round]
 
       def qk(*acc_refs):     # each step's products issued as its K lands, then all awaited
         for j, acc_ref in enumerate(acc_refs):
@@ -361,7 +300,8 @@ def decode_call(query_start_loc, seq_lens, block_table_flat, factors, q, cache, 
   h = st.num_kv_heads
   parts = st.num_splits
   d, ncol = geo.head_size, geo.cols
-  kv_bars = plgpu.Barrier(num_arrivals=st.copies_per_step, num_barriers=geo.stages)
+  kv_bars = plgpu.Barrier(num_arrivals=st.copies_per_step * (2 if ops.scale_copies else 1),
+                          num_barriers=geo.stages)
   f32 = jnp.float32
   layered = st.layer_axis is not None
   sums = st.ops.num_q_sums > 0
@@ -418,7 +358,8 @@ def _loop_buffers(st: DecodeStatics):
   in interpret mode, for formats whose K operand is registers, a ``(u, T, D)`` K buffer."""
   geo, ops = st.geo, st.ops
   t_keys, d, u = geo.block_kv, geo.head_size, geo.round_steps
-  bufs = (ops.landing(geo.stages, t_keys, d, _tiled), ops.landing(geo.stages, t_keys, d, _tiled),
+  bufs = (ops.landing(geo.stages, t_keys, d, _tiled, 0), ops.landing(geo.stages, t_keys, d,
+                                                                     _tiled, 1),
           _tiled((u * t_keys, d), ops.compute, _pv_swizzle(st)),
           _tiled((u * t_keys, geo.cols), ops.compute, _pv_swizzle(st)))
   if ops.k_in_registers and st.interpret:

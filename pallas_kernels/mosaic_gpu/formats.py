@@ -25,7 +25,7 @@ is one instruction per two values on Hopper). Queries go to float16 too (saturat
 operand-dtype rule for every GPU kernel, :func:`pallas_kernels.common.compute_dtype`. The
 global K / V scales come from the codec (:meth:`kvjax.codecs.Codec.tensor_scales`).
 Formats with a scale per (token, head) row (int8 / fp8 / int4 per token-head) have their
-hooks in :mod:`.row_formats`.
+hooks in :mod:`.row_formats`, nvfp4 (a scale per 16 values) in :mod:`.group_formats`.
 """
 from __future__ import annotations
 
@@ -74,15 +74,30 @@ class Operands:
   #: Whether :meth:`k_operand` gives registers (Mosaic GPU interpret mode takes no register
   #: wgmma operand: the kernel then stores them to a buffer first).
   k_in_registers: ClassVar[bool] = False
+  #: Whether each side's copies also bring a second box, the side's group scales: then
+  #: :meth:`landing` gives ``(data slots, scale slots, staging)`` and the hooks read a step's
+  #: ``(data slot, scale slot, staging)`` (:mod:`.group_formats`).
+  scale_copies: ClassVar[bool] = False
+  #: Whether the kernel computes in another order of the head dim than the cache's
+  #: (:meth:`q_operand` and :meth:`output` permute it).
+  reorders_dims: ClassVar[bool] = False
 
-  def landing(self, stages: int, rows: int, cols: int, tiled):
-    """One side's TMA slots ``(stages, rows, cols)``; ``tiled(shape, dtype, swizzle)`` makes
-    a buffer wgmma reads (``swizzle`` None: the widest that fits)."""
+  def landing(self, stages: int, rows: int, cols: int, tiled, side: int = 0):
+    """One side's (0: K, 1: V) TMA slots ``(stages, rows, cols)``; ``tiled(shape, dtype,
+    swizzle)`` makes a buffer wgmma reads (``swizzle`` None: the widest that fits)."""
     return tiled((stages, rows, cols), self.storage, self.landing_swizzle)
+
+  def step_slot(self, land, slot, interpret: bool):
+    """What the hooks read of a step: slot ``slot`` of :meth:`landing`'s buffers."""
+    return land.at[slot]
 
   def landing_cols(self, head_size: int) -> int:
     """Storage elements of a landing slot's row (what one side row's TMA copy moves)."""
     return head_size
+
+  def scratch_bytes(self, block_kv: int, head_size: int) -> int:
+    """Shared memory of one side's :meth:`landing` besides its slots."""
+    return 0
 
   def k_operand(self, slot_ref):
     """K of a step as the A operand of ``S^T = K q^T``: a ``(T, D)`` ref or registers."""
@@ -149,6 +164,21 @@ class Operands:
   def q_operand(self, q):
     """q in the compute dtype (:func:`pallas_kernels.common.as_operand`)."""
     return as_operand(q, self.compute)
+
+
+def even_odd(x, odd_factor: float = 1.0):
+  """``x [..., D]`` in the order ``[even dims | odd dims * odd_factor]`` (the order of kernels
+  that read two codes a byte, the low nibble the even dim), in x's dtype."""
+  return jnp.concatenate([x[..., 0::2], x[..., 1::2] * odd_factor], axis=-1).astype(x.dtype)
+
+
+def from_even_odd(out):
+  """Inverse of :func:`even_odd`'s permutation: ``[..., D]`` back in the head dim's order."""
+  d = out.shape[-1]
+  back = np.empty(d, np.int32)
+  back[0::2] = np.arange(d // 2)
+  back[1::2] = d // 2 + np.arange(d // 2)
+  return out[..., back]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.common import compute_dtype
-from pallas_kernels.mosaic_gpu.formats import Fp8Operands
+from pallas_kernels.mosaic_gpu.formats import Fp8Operands, even_odd, from_even_odd
 
 #: Bytes a side row's copy moves besides its data: up to 12 before it (from the 16-byte
 #: boundary), its scale and the rest, in all a multiple of 16 as TMA wants. Rows of
@@ -79,7 +79,7 @@ class RowScaledOperands(Fp8Operands):
     """Stored bytes of a side row's data."""
     return head_size
 
-  def landing(self, stages: int, rows: int, cols: int, tiled):
+  def landing(self, stages: int, rows: int, cols: int, tiled, side: int = 0):
     from jax.experimental.pallas import mosaic_gpu as plgpu   # noqa: PLC0415
     return plgpu.SMEM((stages, rows, self.landing_cols(cols)), self.storage)
 
@@ -153,6 +153,7 @@ class Int4Operands(RowScaledOperands):
     and loses ``sum_t (zp_t - 8) w_t`` (per-thread sums carried through the key loop).
   """
   num_q_sums: ClassVar[int] = 2
+  reorders_dims: ClassVar[bool] = True
 
   @classmethod
   def of(cls, spec, q_dtype) -> "Int4Operands":
@@ -167,8 +168,7 @@ class Int4Operands(RowScaledOperands):
 
   def q_operand(self, q):
     """q ``[..., D]`` as the kernel reads it: ``[even dims | odd dims / 16]``, compute dtype."""
-    q = super().q_operand(q)
-    return jnp.concatenate([q[..., 0::2], q[..., 1::2] * (1 / 16)], axis=-1).astype(q.dtype)
+    return even_odd(super().q_operand(q), 1 / 16)
 
   def q_sums(self, q_op):
     """float32 ``[..., 2, Hq]``: of each query (:meth:`q_operand`'s rows), its sum and the
@@ -179,11 +179,7 @@ class Int4Operands(RowScaledOperands):
     return jnp.stack([x[..., :half].sum(-1) + 16 * odd, 128 * odd], axis=-2)
 
   def output(self, out):
-    d = out.shape[-1]
-    back = np.empty(d, np.int32)
-    back[0::2] = np.arange(d // 2)
-    back[1::2] = d // 2 + np.arange(d // 2)
-    return out[..., back]
+    return from_even_odd(out)
 
   def _codes(self, rows_ref):
     """A slot's ``(n_low, 16 n_high - 128)``, ``(T, D / 2)`` each in the compute dtype."""
