@@ -112,8 +112,9 @@ def test_decode_reason():
     assert "jax >= 0.11" in decode_reason(nvfp4, BF16)
   else:
     assert decode_reason(nvfp4, BF16) is None
-    assert "head_size=64" in decode_reason(kvjax.KVCacheSpec(2, 64, 16, "nvfp4",
-                                                             layout="HND"), BF16)
+    for d in (64, 192):
+      assert f"head_size={d}" in decode_reason(kvjax.KVCacheSpec(2, d, 16, "nvfp4",
+                                                                 layout="HND"), BF16)
   assert ADAPTERS.hooks(nvfp4.codec) is Nvfp4Operands
   assert "head_size=80" in decode_reason(kvjax.KVCacheSpec(8, 80, 16, dtype=BF16), BF16)
   assert "differs" in decode_reason(kvjax.KVCacheSpec(8, 128, 16, dtype=BF16), jnp.float16)

@@ -71,9 +71,9 @@ class Nvfp4Operands(Operands):
     why = super().reason(spec, q_dtype)
     if why is None and JAX_VERSION < (0, 11):
       why = "nvfp4 in the decode kernel needs jax >= 0.11 (Mosaic GPU's register concatenation)"
-    if why is None and spec.head_size < 128:
-      why = (f"head_size={spec.head_size}: nvfp4's K scales load as rows of D/16 >= 8 values "
-             "(D >= 128)")
+    if why is None and spec.head_size % 128:
+      why = (f"head_size={spec.head_size}: nvfp4's group scales stage as rows of D/16 values, "
+             "a multiple of 8 (D = 128 or 256)")
     return why
 
   def landing(self, stages: int, rows: int, cols: int, tiled, side: int = 0):
