@@ -27,6 +27,16 @@ def gpu_sm_count(default: int) -> int:
   return int(getattr(gpus[0], "core_count", 0) or default)
 
 
+def triton_lowering_available() -> bool:
+  """Whether this JAX has Pallas' Triton lowering (deprecated in JAX 0.11): the Mosaic GPU
+  ``auto`` rules weigh their kernels against the Triton ones only while it exists."""
+  try:
+    from jax.experimental.pallas import triton  # noqa: F401  pylint: disable=unused-import
+  except ImportError:
+    return False
+  return True
+
+
 def cdiv(a: int, b: int) -> int:
   """``ceil(a / b)`` for Python ints."""
   return -(-a // b)

@@ -207,7 +207,7 @@ def test_auto_rule_for_decode_batches():
       assert f"faster on {spec.cache_dtype} {layout}" in why
   assert ("fp8_per_token_head", "NHD") in MT.AUTO_DECODE
   nvfp4 = kvjax.KVCacheSpec(8, 128, 16, "nvfp4", layout="HND")
-  assert ("not timed on nvfp4" if JAX_VERSION >= (0, 11) else "jax >= 0.11") in \
+  assert ("faster on nvfp4 HND" if JAX_VERSION >= (0, 11) else "jax >= 0.11") in \
       MA.prefer_attention(nvfp4, BF16, call(64, 64, 1))
   # not a decode batch: the ragged kernel's rule
   assert "Triton kernels are faster" in MA.prefer_attention(plain, BF16, call(64, 16, 4))
@@ -219,6 +219,17 @@ def test_auto_rule_for_decode_batches():
   for fmt in ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"):
     spec = kvjax.KVCacheSpec(8, 128, 16, fmt)
     assert MA._decode_kernel_reason(spec, BF16, 64, 64, 32, 1) is None
+
+
+def test_auto_rule_takes_every_supported_call_once_the_triton_lowering_is_gone(monkeypatch):
+  call = registry.AttentionCall(num_tokens=64, num_q_heads=32, num_seqs=64, max_blocks=256,
+                                max_query_len=1)
+  spec = kvjax.KVCacheSpec(8, 128, 16, "int4_per_token_head", layout="NHD", dtype=BF16)
+  assert "faster on int4_per_token_head" in MA.prefer_attention(spec, BF16, call)
+  monkeypatch.setattr(MA, "triton_lowering_available", lambda: False)
+  assert MA.prefer_attention(spec, BF16, call) is None
+  short = dataclasses.replace(call, num_tokens=256, num_seqs=16, max_query_len=16)
+  assert MA.prefer_attention(spec, BF16, short) is None
 
 
 # -- lowering for CUDA -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ kernel
 from __future__ import annotations
 
 from kvjax import ragged_batch as RB
+from pallas_kernels.common import triton_lowering_available
 from pallas_kernels.mosaic_gpu import ragged_attention as R
 from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
@@ -34,7 +35,11 @@ def prefer_attention(spec, q_dtype, call):
 
   Decode batches the decode kernel runs: the formats and layouts where it is faster than the
   Triton decode kernel (:data:`.tuning.AUTO_DECODE`). Other batches: the ragged kernel's rule
-  (:func:`.ragged_attention.prefer_attention`)."""
+  (:func:`.ragged_attention.prefer_attention`). Without Pallas' Triton lowering (a JAX that
+  has removed it) every call the kernels support: the rules compare them with Triton
+  kernels that no longer run, and the next candidate is the XLA attention."""
+  if not triton_lowering_available():
+    return None
   if call is not None and RB.is_decode_batch(call.num_tokens, call.num_seqs,
                                              call.max_query_len):
     why = decode_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
@@ -42,9 +47,6 @@ def prefer_attention(spec, q_dtype, call):
       return f"decode batch: {why}"
     if (spec.cache_dtype, spec.layout) in MT.AUTO_DECODE:
       return None
-    if spec.cache_dtype in MT.UNTIMED_DECODE:
-      return (f"decode batch: the decode kernel is not timed on {spec.cache_dtype} yet (the "
-              "Triton decode kernel runs it)")
     return (f"decode batch: the Triton decode kernel is faster on {spec.cache_dtype} "
             f"{spec.layout} (measured)")
   return R.prefer_attention(spec, q_dtype, call)

@@ -11,11 +11,9 @@ from pallas_kernels.common import gpu_sm_count
 
 #: The (``cache_dtype``, layout) pairs whose decode batches ``auto`` gives the decode kernel;
 #: the Triton decode kernel runs the others (`mgpu-decode-rule`: the decode kernel is faster
-#: at every measured shape only on fp8 per token-head NHD).
+#: at every measured shape only on fp8 per token-head NHD; on nvfp4 it takes twice the Triton
+#: kernel's time).
 AUTO_DECODE = frozenset({("fp8_per_token_head", "NHD")})
-#: Formats the decode kernel reads that no benchmark has timed yet: ``auto`` keeps the Triton
-#: decode kernel for them.
-UNTIMED_DECODE = frozenset({"nvfp4"})
 
 #: Key steps of 64 per softmax update of the decode kernel (1 or 2; formats whose view rows
 #: hold two tokens always take 2): `mgpu-decode-rounds`.
