@@ -214,6 +214,25 @@ def test_lowers_with_each_staging(staging):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("pv", TL.PV_VARIANTS)
+@pytest.mark.parametrize("head_size,max_query_len", [(128, 256), (256, 128)])
+def test_lowers_with_the_next_products_issued_ahead(pv, head_size, max_query_len):
+  """``qk_ahead``: the next step's ``q K^T`` in flight through the softmax and ``P V``, with
+  every ``P V`` variant, two consumer warpgroups (ping-pong) on 3 persistent blocks."""
+  spec = kvjax.KVCacheSpec(2, head_size, 16, dtype=jnp.bfloat16)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+
+  def f(q, c, qsl, sl, bt):
+    return ragged_paged_attention_tiled(q, c, spec, query_start_loc=qsl, seq_lens=sl,
+                                        block_table=bt, scale=0.1, max_query_len=max_query_len,
+                                        pv=pv, num_programs=3, qk_ahead=True)
+  text = export.export(jax.jit(f), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((300, 8, head_size), jnp.bfloat16),
+      jax.ShapeDtypeStruct(spec.physical_shape(64), jnp.bfloat16), i32(5), i32(4),
+      i32(4, 16)).mlir_module()
+  assert "mosaic_gpu" in text
+
+
 def test_lowers_with_a_traced_softmax_scale():
   """A scale traced under jit is read by the kernel from an operand (no float() of a tracer)."""
   spec = kvjax.KVCacheSpec(2, 128, 16, dtype=jnp.bfloat16)
@@ -388,6 +407,11 @@ NUMERICS_CASES = [
      dict(sliding_window=20, soft_cap=5.0, sinks=True)),
     ("NHD", 2, 1, 64, 48, [150, 3], [0, 30], 1, 256, dict(sliding_window=50)),
     ("HND", 1, 2, 64, 16, [40, 2], [10, 100], 0, 64, dict(causal=False)),
+    # each step issues the next step's q K^T before its softmax (kernel_statics.qk_ahead)
+    ("NHD", 1, 2, 64, 16, [40, 1, 0], [300, 290, 9], 0, 64,
+     dict(stages=2, programs=1, qk_ahead=True)),
+    ("HND", 1, 7, 64, 32, [18, 1, 5], [3, 70, 0], 2, 32,
+     dict(sliding_window=20, soft_cap=5.0, sinks=True, qk_ahead=True)),
 ]
 
 
@@ -405,9 +429,11 @@ def test_kernel_matches_reference(rng, layout, h, group, head_size, block_size, 
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray(rng.standard_normal(h * group) * 2, jnp.float32)
   programs = kw.pop("programs", 0)
+  qk_ahead = kw.pop("qk_ahead", False)
   out = ragged_paged_attention_tiled(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
                                      block_table=bt, max_query_len=mql, interpret=not COMPILED,
-                                     geometry=geo, num_programs=programs, **kw)
+                                     geometry=geo, num_programs=programs, qk_ahead=qk_ahead,
+                                     **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
   o = np.asarray(out, np.float32)
   r = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, **kw))(

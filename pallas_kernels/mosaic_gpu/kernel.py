@@ -38,6 +38,12 @@ the tensor cores. Per item, warpgroup 1 passes the barrier once before its first
 warpgroup 0 once after its last, so both pass it ``2 * steps + 1`` times (both walk the same
 items and key steps: their rows are other heads of the same tokens).
 
+With ``KernelStatics.qk_ahead`` (:data:`.tuning.QK_AHEAD`) a consumer issues the next step's
+``q K^T`` before its softmax, so that its own softmax overlaps its next product
+(FlashAttention-3's intra-warpgroup overlap); the scores of a step then come from the step
+before (the first from a product before the loop), and a K slot is released as soon as its
+scores are read.
+
 Keys past the sequence end in the last step are whatever the cache holds there (stale
 bytes, NaN): their scores are selected away, and the V rows of that step past the end are
 zeroed in shared memory before ``P V`` so that ``0 * NaN`` never happens. The output goes
@@ -59,6 +65,7 @@ from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.compat import interpret_params, load_whole
 from pallas_kernels.mosaic_gpu.kernel_statics import (SWIZZLE_ELEMS as _SWIZZLE_ELEMS,
                                                       KernelStatics)
+from pallas_kernels.mosaic_gpu.ragged_parts import accumulate_pv, store_rows
 from pallas_kernels.mosaic_gpu.work_items import for_each_item as _for_each_item
 from pallas_kernels.mosaic_gpu.work_items import work_item as _work_item
 
@@ -167,17 +174,15 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
         l0 = cast(jnp.zeros((TL.WG_ROWS,), jnp.float32), row_layout)
       acc0 = cast(jnp.zeros((TL.WG_ROWS, d), jnp.float32), wgmma_layout)
 
-      def step(j, carry, masked: bool):
-        acc, m, l = carry
-        slot = slot_of(base + j - t.j_lo)      # its K was waited for by the step before
+      def step_slot(j):
+        return slot_of(base + j - t.j_lo)
 
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
-          if ping_pong:
-            pass_schedule()      # the other warpgroup's wgmmas are issued next
-          return acc_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
+      def products(s_ref, slot):   # S = q K^T of a K slot, issued (not awaited)
+        plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
+
+      def softmax_pv(j, s, acc, m, l, masked: bool, while_running):
+        """Step j from its scores ``s``: the online softmax update and ``acc += P V``."""
+        slot = step_slot(j)
         if not fold:
           s = s * log2_factor
         if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
@@ -223,15 +228,50 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
               v_ref[...] = jnp.where(keep, v_ref[...], 0).astype(st.dtype)
             plgpu.commit_smem()
 
+        acc = accumulate_pv(acc, p16, v_smem.at[slot],
+                             None if p_smem is None else p_smem.at[wg], st.pv, while_running)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      def step(j, carry, masked: bool):
+        """Step j, its scores computed here (awaited before the softmax)."""
+        acc, m, l = carry
+        slot = step_slot(j)      # its K was waited for by the step before
+
+        def qk(s_ref):
+          products(s_ref, slot)
+          if ping_pong:
+            pass_schedule()      # the other warpgroup's wgmmas are issued next
+          return s_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+
         def wait_next_k():       # while the P V wgmma runs
           @pl.when(j + 1 < t.j_hi)
           def _():
-            plgpu.barrier_wait(k_bars.at[slot_of(base + j + 1 - t.j_lo)])
+            plgpu.barrier_wait(k_bars.at[step_slot(j + 1)])
+        return softmax_pv(j, s, acc, m, l, masked, wait_next_k)
 
-        acc = _accumulate_pv(acc, p16, v_smem.at[slot],
-                             None if p_smem is None else p_smem.at[wg], st.pv, wait_next_k)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+      def step_ahead(j, carry, masked: bool):
+        """Step j with ``st.qk_ahead``: its scores came from the step before (its K slot is
+        released once they are read); the next step's ``q K^T``, if the item has a next
+        step, is issued first and runs while this step's softmax does."""
+        acc, m, l, s = carry
+        more = j + 1 < t.j_hi
+        slot_next = step_slot(j + 1)
+
+        def ahead(s_ref):
+          @pl.when(more)
+          def _issue():
+            plgpu.barrier_wait(k_bars.at[slot_next])
+            products(s_ref, slot_next)
+          if ping_pong:
+            pass_schedule()
+          out = softmax_pv(j, s, acc, m, l, masked, lambda: None)
+          return out + (s_ref[...],)
+        out = pl.run_scoped(ahead, plgpu.ACC(shape, jnp.float32))
+        pl.when(more)(lambda: plgpu.barrier_arrive(k_free.at[slot_next]))
+        return out
 
       @pl.when(t.num_steps > 0)
       def _first_k():
@@ -239,9 +279,21 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       if ping_pong:
         pl.when(wg == 1)(pass_schedule)   # warpgroup 0 issues first
       carry = (acc0, m0, l0)
-      carry = lax.fori_loop(t.j_lo, t.b, lambda j, cr: step(j, cr, True), carry)
-      carry = lax.fori_loop(t.b, t.c_end, lambda j, cr: step(j, cr, False), carry)
-      acc, _, l = lax.fori_loop(t.c_end, t.j_hi, lambda j, cr: step(j, cr, True), carry)
+      run = step
+      if st.qk_ahead:          # the first step's scores, before the loop
+        run = step_ahead
+
+        def first(s_ref):
+          @pl.when(t.num_steps > 0)
+          def _issue():
+            products(s_ref, slot_of(base))
+          return s_ref[...]
+        carry += (pl.run_scoped(first, plgpu.ACC(shape, jnp.float32)),)
+        pl.when(t.num_steps > 0)(lambda: plgpu.barrier_arrive(k_free.at[slot_of(base)]))
+      carry = lax.fori_loop(t.j_lo, t.b, lambda j, cr: run(j, cr, True), carry)
+      carry = lax.fori_loop(t.b, t.c_end, lambda j, cr: run(j, cr, False), carry)
+      carry = lax.fori_loop(t.c_end, t.j_hi, lambda j, cr: run(j, cr, True), carry)
+      acc, l = carry[0], carry[2]
       if ping_pong:
         pl.when(wg == 0)(pass_schedule)   # the pass warpgroup 1 made before its first step
 
@@ -257,7 +309,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
         @pl.when(wg == w_)
         def _store():
           for sl in geo.slabs(w_):
-            _store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g, chunks)
+            store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g, chunks)
       # the next item writes the staging buffer (its q, or with q_own its output), so the
       # stores must have read it by then
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -314,59 +366,6 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       slot = slot_of(n)
       plgpu.barrier_wait(k_free.at[slot])
       plgpu.barrier_wait(v_free.at[slot])
-
-
-def _accumulate_pv(acc, p16, v_ref, p_ref, pv: str, while_running):
-  """``acc + p16 @ v_ref`` with wgmma, issued as the variant ``pv`` (``tiles.PV_VARIANTS``).
-
-  acc: float32 ``(64, D)`` (WGMMA layout); p16: ``(64, block_kv)`` in q's dtype; v_ref: the
-  ``(block_kv, D)`` V slot; p_ref: this warpgroup's ``(64, block_kv)`` P buffer (None for
-  "p_regs"); while_running: called once the wgmma is issued, before it is waited for.
-  Every variant returns only after its wgmma has completed (``run_state`` / reading the
-  accumulator wait for it), so the caller may release the V slot and the next step may
-  overwrite ``p_ref``.
-  """
-  if pv == TL.PV_REGS:
-    def pv_in_place(acc_ref):
-      plgpu.wgmma(acc_ref, p16, v_ref)
-      while_running()
-    return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
-
-  p_ref[...] = p16
-  plgpu.commit_smem()      # generic-proxy stores visible to wgmma (async proxy)
-  if pv == TL.PV_SMEM:
-    def pv_smem_in_place(acc_ref):
-      plgpu.wgmma(acc_ref, p_ref, v_ref)
-      while_running()
-    return pl.run_state(pv_smem_in_place)(plgpu.ACC.init(acc))
-
-  def pv_fresh(acc_ref):
-    plgpu.wgmma(acc_ref, p_ref, v_ref)
-    while_running()
-    return acc_ref[...]
-  return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
-
-
-def _store_rows(o_stage, o_ref, sl: TL.Slab, tok0, nq, head, chunks: int):
-  """TMA-store the slab's real rows (``clip(nq - sl.tok, 0, sl.n)`` of them) as pieces of
-  ``sl.n, sl.n/2, ..., 1`` rows: the TMA box is static, the row count is not. o_stage: the
-  warpgroup's ``(64, D)`` staging rows, or (``chunks > 0``) its ``(chunks, 64, 64)``
-  swizzled 64-column chunks, one store per chunk."""
-  count = jnp.clip(nq - sl.tok, 0, sl.n)
-  start = jnp.int32(0)
-  size = sl.n
-  while size >= 1:
-    @pl.when((count & size) != 0)
-    def _piece(size=size, start=start):
-      rows = pl.ds(sl.row + start, size)
-      dst = o_ref.at[pl.ds(tok0 + sl.tok + start, size), head]
-      if not chunks:
-        plgpu.copy_smem_to_gmem(o_stage.at[rows], dst)
-      for c in range(chunks):
-        plgpu.copy_smem_to_gmem(o_stage.at[c, rows],
-                                dst.at[:, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)])
-    start = start + (count & size)
-    size //= 2
 
 
 def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,

@@ -35,6 +35,7 @@ class KernelStatics:
                                     # (tiles.STAGINGS, tiles.choose_staging)
   registers: Optional[tuple[int, int]] = None   # (consumer, producer) registers a thread
                                                 # after the split; None: default_registers
+  qk_ahead: bool = False     # each step issues the next step's q K^T before its softmax
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:

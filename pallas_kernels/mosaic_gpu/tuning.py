@@ -34,6 +34,11 @@ AUTO_MIN_QUERY_LEN = 128
 #: consumers finish the current one (`mgpu-persistent`).
 PERSISTENT = True
 
+#: Whether each key step of the ragged kernel issues the next step's ``q K^T`` before its
+#: softmax, so that one warpgroup's softmax overlaps its own next product
+#: (FlashAttention-3's intra-warpgroup overlap). Not timed yet: off.
+QK_AHEAD = False
+
 #: How the ragged kernel issues ``acc += P V`` compiled (`mgpu-p-regs`): P as the register A
 #: operand of wgmma (``tiles.PV_VARIANTS``).
 DEFAULT_PV = "p_regs"

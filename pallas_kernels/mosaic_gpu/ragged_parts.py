@@ -1,0 +1,63 @@
+"""Pieces of the Mosaic GPU ragged kernel body (:mod:`.kernel`): ``acc += P V`` in each of its
+variants, and the TMA stores of a tile's output rows."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic_gpu import tiles as TL
+from pallas_kernels.mosaic_gpu.kernel_statics import SWIZZLE_ELEMS as _SWIZZLE_ELEMS
+
+
+def accumulate_pv(acc, p16, v_ref, p_ref, pv: str, while_running):
+  """``acc + p16 @ v_ref`` with wgmma, issued as the variant ``pv`` (``tiles.PV_VARIANTS``).
+
+  acc: float32 ``(64, D)`` (WGMMA layout); p16: ``(64, block_kv)`` in q's dtype; v_ref: the
+  ``(block_kv, D)`` V slot; p_ref: this warpgroup's ``(64, block_kv)`` P buffer (None for
+  "p_regs"); while_running: called once the wgmma is issued, before it is waited for.
+  Every variant returns only after its wgmma has completed (``run_state`` / reading the
+  accumulator wait for it), so the caller may release the V slot and the next step may
+  overwrite ``p_ref``.
+  """
+  if pv == TL.PV_REGS:
+    def pv_in_place(acc_ref):
+      plgpu.wgmma(acc_ref, p16, v_ref)
+      while_running()
+    return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+
+  p_ref[...] = p16
+  plgpu.commit_smem()      # generic-proxy stores visible to wgmma (async proxy)
+  if pv == TL.PV_SMEM:
+    def pv_smem_in_place(acc_ref):
+      plgpu.wgmma(acc_ref, p_ref, v_ref)
+      while_running()
+    return pl.run_state(pv_smem_in_place)(plgpu.ACC.init(acc))
+
+  def pv_fresh(acc_ref):
+    plgpu.wgmma(acc_ref, p_ref, v_ref)
+    while_running()
+    return acc_ref[...]
+  return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def store_rows(o_stage, o_ref, sl: TL.Slab, tok0, nq, head, chunks: int):
+  """TMA-store the slab's real rows (``clip(nq - sl.tok, 0, sl.n)`` of them) as pieces of
+  ``sl.n, sl.n/2, ..., 1`` rows: the TMA box is static, the row count is not. o_stage: the
+  warpgroup's ``(64, D)`` staging rows, or (``chunks > 0``) its ``(chunks, 64, 64)``
+  swizzled 64-column chunks, one store per chunk."""
+  count = jnp.clip(nq - sl.tok, 0, sl.n)
+  start = jnp.int32(0)
+  size = sl.n
+  while size >= 1:
+    @pl.when((count & size) != 0)
+    def _piece(size=size, start=start):
+      rows = pl.ds(sl.row + start, size)
+      dst = o_ref.at[pl.ds(tok0 + sl.tok + start, size), head]
+      if not chunks:
+        plgpu.copy_smem_to_gmem(o_stage.at[rows], dst)
+      for c in range(chunks):
+        plgpu.copy_smem_to_gmem(o_stage.at[c, rows],
+                                dst.at[:, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)])
+    start = start + (count & size)
+    size //= 2
