@@ -180,9 +180,9 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       def products(s_ref, slot):   # S = q K^T of a K slot, issued (not awaited)
         plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
 
-      def softmax_pv(j, s, acc, m, l, masked: bool, while_running):
-        """Step j from its scores ``s``: the online softmax update and ``acc += P V``."""
-        slot = step_slot(j)
+      def softmax_pv(j, slot, s, acc, m, l, masked: bool, while_running):
+        """Step j (its K/V slot ``slot``) from its scores ``s``: the online softmax update
+        and ``acc += P V``."""
         if not fold:
           s = s * log2_factor
         if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
@@ -249,8 +249,8 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
         def wait_next_k():       # while the P V wgmma runs
           @pl.when(j + 1 < t.j_hi)
           def _():
-            plgpu.barrier_wait(k_bars.at[step_slot(j + 1)])
-        return softmax_pv(j, s, acc, m, l, masked, wait_next_k)
+            plgpu.barrier_wait(k_bars.at[slot_of(base + j + 1 - t.j_lo)])
+        return softmax_pv(j, slot, s, acc, m, l, masked, wait_next_k)
 
       def step_ahead(j, carry, masked: bool):
         """Step j with ``st.qk_ahead``: its scores came from the step before (its K slot is
@@ -267,7 +267,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
             products(s_ref, slot_next)
           if ping_pong:
             pass_schedule()
-          out = softmax_pv(j, s, acc, m, l, masked, lambda: None)
+          out = softmax_pv(j, step_slot(j), s, acc, m, l, masked, lambda: None)
           return out + (s_ref[...],)
         out = pl.run_scoped(ahead, plgpu.ACC(shape, jnp.float32))
         pl.when(more)(lambda: plgpu.barrier_arrive(k_free.at[slot_next]))
