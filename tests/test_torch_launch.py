@@ -127,8 +127,8 @@ def test_spec_reason_names_what_the_kernel_cannot_read():
   why = MDT.spec_reason(kvjax.KVCacheSpec(8, 128, 16, "int4_per_token_head", dtype=BF16),
                         torch.bfloat16, 32)
   assert why is not None and "Triton kernel" in why
-  assert "not timed" in MDT.spec_reason(kvjax.KVCacheSpec(8, 128, 16, "nvfp4", "HND"),
-                                        torch.bfloat16, 32)
+  assert "faster" in MDT.spec_reason(kvjax.KVCacheSpec(8, 128, 16, "nvfp4", "HND"),
+                                    torch.bfloat16, 32)
   assert "GQA group 11" in MDT.spec_reason(
       kvjax.KVCacheSpec(8, 128, 16, "bfloat16", dtype=BF16), torch.bfloat16, 88)
   assert "head_size=96" in MDT.spec_reason(

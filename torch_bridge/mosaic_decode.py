@@ -62,12 +62,9 @@ def spec_reason(spec: KVCacheSpec, q_dtype, num_heads: int) -> Optional[str]:
   if num_heads % spec.num_kv_heads:
     return f"num_heads={num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
   hooks = MD.ADAPTERS.hooks(spec.codec)
-  if hooks is not None and hooks.num_q_sums:
+  if hooks is not None and (hooks.num_q_sums or hooks.scale_copies):   # int4, nvfp4
     return (f"cache_dtype={spec.cache_dtype!r}: its decode through JAX (the Triton kernel) is "
             "faster than the Mosaic GPU decode kernel launched from torch (measured)")
-  if hooks is not None and hooks.scale_copies:
-    return (f"cache_dtype={spec.cache_dtype!r}: the Mosaic GPU decode kernel is not timed on "
-            "it yet; its decode goes through JAX (the Triton kernel)")
   return MD.decode_reason(spec, dtypes.numpy_dtype(q_dtype), num_heads // spec.num_kv_heads)
 
 
