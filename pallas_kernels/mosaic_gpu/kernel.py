@@ -38,6 +38,10 @@ the tensor cores. Per item, warpgroup 1 passes the barrier once before its first
 warpgroup 0 once after its last, so both pass it ``2 * steps + 1`` times (both walk the same
 items and key steps: their rows are other heads of the same tokens).
 
+With ``KernelStatics.q_prefetch`` (:data:`.tuning.Q_PREFETCH`; q in a staging buffer of its
+own) a consumer copies the q slabs of the block's next item once the current item's are in
+the tiled buffer, so that an item's first product waits for no q copy.
+
 With ``KernelStatics.qk_ahead`` (:data:`.tuning.QK_AHEAD`) a consumer issues the next step's
 ``q K^T`` before its softmax, so that its own softmax overlaps its next product
 (FlashAttention-3's intra-warpgroup overlap); the scores of a step then come from the step
@@ -149,16 +153,28 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       step count after it."""
       t = _work_item(meta_ref, w, st)
       h = t.h
+      # Through untiled memory: a TMA copy straight into the tiled buffer would split the
+      # token start into (start // 8, start % 8) box coordinates, so a start that is not a
+      # multiple of 8 would zero-fill rows of every 8-row group. With q_prefetch the item
+      # before copied q (the block's first item copies its own).
       for w_ in range(geo.num_wgs):                # q slabs of this warpgroup, one barrier
-        @pl.when((wg == w_) & (t.nq > 0))            # surplus tiles: no rows, no keys
-        def _load_q():
-          # Through untiled memory: a TMA copy straight into the tiled buffer would split the
-          # token start into (start // 8, start % 8) box coordinates, so a start that is not
-          # a multiple of 8 would zero-fill rows of every 8-row group.
+        mine = (wg == w_) & (t.nq > 0)             # surplus tiles: no rows, no keys
+
+        @pl.when(mine & (w < st.grid_size) if st.q_prefetch else mine)
+        def _copy_q():
           copy_q(w_, t)
+
+        @pl.when(mine)
+        def _load_q():
           plgpu.barrier_wait(q_bars[w_])
           stage_to_q(w_)
           plgpu.commit_smem()    # generic-proxy stores visible to wgmma (async proxy)
+
+        if st.q_prefetch:        # the staging buffer is free (commit_smem ends in a barrier)
+          @pl.when((wg == w_) & (w + st.grid_size < st.num_items))
+          def _copy_next_q():
+            t_next = _work_item(meta_ref, w + st.grid_size, st)
+            pl.when(t_next.nq > 0)(lambda: copy_q(w_, t_next))
       q_wg = q_smem.at[wg]
       q_pos = t.pos0 + lax.rem(row, bq)            # absolute position of each row's token
 

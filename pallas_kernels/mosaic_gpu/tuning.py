@@ -39,6 +39,12 @@ PERSISTENT = True
 #: (FlashAttention-3's intra-warpgroup overlap). Not timed yet: off.
 QK_AHEAD = False
 
+#: Whether a persistent block of the ragged kernel copies the q of its next work item while
+#: the current one runs (where q has a shared-memory buffer of its own,
+#: ``tiles.STAGING_Q_OWN``), so that an item starts without waiting for its q. Not timed
+#: yet: off.
+Q_PREFETCH = False
+
 #: How the ragged kernel issues ``acc += P V`` compiled (`mgpu-p-regs`): P as the register A
 #: operand of wgmma (``tiles.PV_VARIANTS``).
 DEFAULT_PV = "p_regs"
