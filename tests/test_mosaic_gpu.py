@@ -236,9 +236,10 @@ def test_lowers_with_the_next_products_issued_ahead(pv, head_size, max_query_len
 
 @pytest.mark.parametrize("qk_ahead", [False, True])
 @pytest.mark.parametrize("head_size,max_query_len", [(128, 256), (256, 128)])
-def test_lowers_with_the_next_items_q_copied_ahead(head_size, max_query_len, qk_ahead):
-  """``q_prefetch``: q of a block's next item copied while the current one runs, on 3
-  persistent blocks, with and without ``qk_ahead``."""
+def test_lowers_with_overlapping_items(head_size, max_query_len, qk_ahead):
+  """``item_overlap``: q of a block's next item copied while the current one runs and the
+  output stores awaited at the next item, on 3 persistent blocks, with and without
+  ``qk_ahead``."""
   spec = kvjax.KVCacheSpec(2, head_size, 16, dtype=jnp.bfloat16)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
 
@@ -246,7 +247,7 @@ def test_lowers_with_the_next_items_q_copied_ahead(head_size, max_query_len, qk_
     return ragged_paged_attention_tiled(q, c, spec, query_start_loc=qsl, seq_lens=sl,
                                         block_table=bt, scale=0.1, max_query_len=max_query_len,
                                         num_programs=3, staging=TL.STAGING_Q_OWN,
-                                        q_prefetch=True, qk_ahead=qk_ahead)
+                                        item_overlap=True, qk_ahead=qk_ahead)
   text = export.export(jax.jit(f), platforms=["cuda"])(
       jax.ShapeDtypeStruct((300, 8, head_size), jnp.bfloat16),
       jax.ShapeDtypeStruct(spec.physical_shape(64), jnp.bfloat16), i32(5), i32(4),
@@ -254,13 +255,13 @@ def test_lowers_with_the_next_items_q_copied_ahead(head_size, max_query_len, qk_
   assert "mosaic_gpu" in text
 
 
-def test_q_prefetch_needs_q_in_its_own_staging_buffer():
-  """The prefetch copies into q's staging buffer while the item runs: with q staged in the
-  output's buffer it is refused, naming the staging that was given."""
+def test_item_overlap_needs_q_in_its_own_staging_buffer():
+  """The next item's q is copied into q's staging buffer while an item runs: with q staged in
+  the output's buffer the overlap is refused, naming the staging that was given."""
   geo = TL.choose_geometry(4, 128, 16, 256)
-  with pytest.raises(ValueError, match="q_prefetch needs staging 'q_own'.*'swizzled'"):
+  with pytest.raises(ValueError, match="item_overlap needs staging 'q_own'.*'swizzled'"):
     ragged_statics(kvjax.KVCacheSpec(2, 128, 16, dtype=jnp.bfloat16), jnp.bfloat16, 300, 8,
-                   4, 16, 64, geometry=geo, staging=TL.STAGING_SWIZZLED, q_prefetch=True)
+                   4, 16, 64, geometry=geo, staging=TL.STAGING_SWIZZLED, item_overlap=True)
 
 
 def test_lowers_with_a_traced_softmax_scale():
@@ -442,12 +443,12 @@ NUMERICS_CASES = [
      dict(stages=2, programs=1, qk_ahead=True)),
     ("HND", 1, 7, 64, 32, [18, 1, 5], [3, 70, 0], 2, 32,
      dict(sliding_window=20, soft_cap=5.0, sinks=True, qk_ahead=True)),
-    # q in its own staging buffer, each item's q copied during the item before
-    # (kernel_statics.q_prefetch): surplus tiles between items, a block of several items
+    # q in its own staging buffer, items overlapping at their boundary
+    # (kernel_statics.item_overlap): surplus tiles between items, a block of several items
     ("NHD", 1, 4, 64, 16, [20, 1, 0, 9], [0, 40, 8, 17], 3, 32,
-     dict(programs=2, staging=TL.STAGING_Q_OWN, q_prefetch=True)),
+     dict(programs=2, staging=TL.STAGING_Q_OWN, item_overlap=True)),
     ("HND", 2, 2, 64, 16, [40, 2, 70], [10, 100, 0], 0, 32,
-     dict(programs=3, staging=TL.STAGING_Q_OWN, q_prefetch=True, qk_ahead=True)),
+     dict(programs=3, staging=TL.STAGING_Q_OWN, item_overlap=True, qk_ahead=True)),
 ]
 
 
@@ -465,7 +466,7 @@ def test_kernel_matches_reference(rng, layout, h, group, head_size, block_size, 
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray(rng.standard_normal(h * group) * 2, jnp.float32)
   programs = kw.pop("programs", 0)
-  statics = {k: kw.pop(k, d) for k, d in (("qk_ahead", False), ("q_prefetch", False),
+  statics = {k: kw.pop(k, d) for k, d in (("qk_ahead", False), ("item_overlap", False),
                                            ("staging", None))}
   out = ragged_paged_attention_tiled(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
                                      block_table=bt, max_query_len=mql, interpret=not COMPILED,

@@ -88,11 +88,12 @@ def test_next_products_issued_ahead(rng, pv, head_size):
 @mosaic_gpu_numerics
 @pytest.mark.parametrize("qk_ahead", [False, True])
 @pytest.mark.parametrize("head_size", [128, 256])
-def test_next_items_q_copied_ahead(rng, head_size, qk_ahead):
-  """``q_prefetch``: each persistent block copies its next item's q while the current item
-  runs (q in its own staging buffer), with and without ``qk_ahead``."""
+def test_items_overlapping_at_their_boundary(rng, head_size, qk_ahead):
+  """``item_overlap``: each persistent block copies its next item's q while the current item
+  runs (q in its own staging buffer) and waits for an item's output stores at the next, with
+  and without ``qk_ahead``."""
   _check(rng, "NHD", 2, 4, head_size, 16, *MIX, staging=TL.STAGING_Q_OWN, num_programs=3,
-         q_prefetch=True, qk_ahead=qk_ahead)
+         item_overlap=True, qk_ahead=qk_ahead)
 
 
 @mosaic_gpu_numerics

@@ -38,9 +38,11 @@ the tensor cores. Per item, warpgroup 1 passes the barrier once before its first
 warpgroup 0 once after its last, so both pass it ``2 * steps + 1`` times (both walk the same
 items and key steps: their rows are other heads of the same tokens).
 
-With ``KernelStatics.q_prefetch`` (:data:`.tuning.Q_PREFETCH`; q in a staging buffer of its
-own) a consumer copies the q slabs of the block's next item once the current item's are in
-the tiled buffer, so that an item's first product waits for no q copy.
+With ``KernelStatics.item_overlap`` (:data:`.tuning.ITEM_OVERLAP`; q in a staging buffer of
+its own) a block's items overlap at their boundary: a consumer copies the q slabs of its next
+item once the current item's are in the tiled buffer (an item's first product waits for no q
+copy), and waits for an item's output stores to have read the staging buffer only before it
+stages the next item's output.
 
 With ``KernelStatics.qk_ahead`` (:data:`.tuning.QK_AHEAD`) a consumer issues the next step's
 ``q K^T`` before its softmax, so that its own softmax overlaps its next product
@@ -155,12 +157,12 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       h = t.h
       # Through untiled memory: a TMA copy straight into the tiled buffer would split the
       # token start into (start // 8, start % 8) box coordinates, so a start that is not a
-      # multiple of 8 would zero-fill rows of every 8-row group. With q_prefetch the item
+      # multiple of 8 would zero-fill rows of every 8-row group. With item_overlap the item
       # before copied q (the block's first item copies its own).
       for w_ in range(geo.num_wgs):                # q slabs of this warpgroup, one barrier
         mine = (wg == w_) & (t.nq > 0)             # surplus tiles: no rows, no keys
 
-        @pl.when(mine & (w < st.grid_size) if st.q_prefetch else mine)
+        @pl.when(mine & (w < st.grid_size) if st.item_overlap else mine)
         def _copy_q():
           copy_q(w_, t)
 
@@ -170,7 +172,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
           stage_to_q(w_)
           plgpu.commit_smem()    # generic-proxy stores visible to wgmma (async proxy)
 
-        if st.q_prefetch:        # the staging buffer is free (commit_smem ends in a barrier)
+        if st.item_overlap:        # the staging buffer is free (commit_smem ends in a barrier)
           @pl.when((wg == w_) & (w + st.grid_size < st.num_items))
           def _copy_next_q():
             t_next = _work_item(meta_ref, w + st.grid_size, st)
@@ -315,6 +317,8 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
 
       l_safe = jnp.where(l > 0, l, 1.0)
       out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      if st.item_overlap:       # the item before's stores have read the output buffer
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if not chunks:            # rows 2D bytes apart: the stores are bank-conflicted
         o_smem.at[wg][...] = out.astype(st.dtype)
       for c in range(chunks):
@@ -326,9 +330,10 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
         def _store():
           for sl in geo.slabs(w_):
             store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g, chunks)
-      # the next item writes the staging buffer (its q, or with q_own its output), so the
-      # stores must have read it by then
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if not st.item_overlap:
+        # the next item writes the staging buffer (its q, or with q_own its output), so the
+        # stores must have read it by then
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return base + t.num_steps
 
     _for_each_item(st, item, jnp.int32(0))

@@ -36,8 +36,9 @@ class KernelStatics:
   registers: Optional[tuple[int, int]] = None   # (consumer, producer) registers a thread
                                                 # after the split; None: default_registers
   qk_ahead: bool = False     # each step issues the next step's q K^T before its softmax
-  q_prefetch: bool = False   # q of the block's next item is copied while this one runs
-                             # (staging STAGING_Q_OWN only)
+  item_overlap: bool = False  # a block's next item's q is copied while this one runs, and
+                              # the wait for this one's output stores is left to the next
+                              # (staging STAGING_Q_OWN only)
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:
@@ -47,8 +48,8 @@ class KernelStatics:
                        f"{self.pv!r}")
     if self.staging not in TL.STAGINGS:
       raise ValueError(f"staging {self.staging!r} is not one of {TL.STAGINGS}")
-    if self.q_prefetch and self.staging != TL.STAGING_Q_OWN:
-      raise ValueError(f"q_prefetch needs staging {TL.STAGING_Q_OWN!r} (q's own buffer, free "
+    if self.item_overlap and self.staging != TL.STAGING_Q_OWN:
+      raise ValueError(f"item_overlap needs staging {TL.STAGING_Q_OWN!r} (q's own buffer, free "
                        f"while an item runs), got {self.staging!r}")
     if self.num_programs < 0:
       raise ValueError(f"num_programs={self.num_programs} must be >= 0")

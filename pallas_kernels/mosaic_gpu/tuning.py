@@ -39,11 +39,11 @@ PERSISTENT = True
 #: (FlashAttention-3's intra-warpgroup overlap). Not timed yet: off.
 QK_AHEAD = False
 
-#: Whether a persistent block of the ragged kernel copies the q of its next work item while
-#: the current one runs (where q has a shared-memory buffer of its own,
-#: ``tiles.STAGING_Q_OWN``), so that an item starts without waiting for its q. Not timed
-#: yet: off.
-Q_PREFETCH = False
+#: Whether the work items of a persistent block of the ragged kernel overlap at their
+#: boundary (where q has a shared-memory buffer of its own, ``tiles.STAGING_Q_OWN``): the
+#: q of the next item is copied while the current one runs, and an item's output stores are
+#: waited for only before the next item's output is staged. Not timed yet: off.
+ITEM_OVERLAP = False
 
 #: How the ragged kernel issues ``acc += P V`` compiled (`mgpu-p-regs`): P as the register A
 #: operand of wgmma (``tiles.PV_VARIANTS``).
