@@ -444,10 +444,11 @@ NUMERICS_CASES = [
     ("HND", 1, 7, 64, 32, [18, 1, 5], [3, 70, 0], 2, 32,
      dict(sliding_window=20, soft_cap=5.0, sinks=True, qk_ahead=True)),
     # q in its own staging buffer, items overlapping at their boundary
-    # (kernel_statics.item_overlap): surplus tiles between items, a block of several items
+    # (kernel_statics.item_overlap): surplus tiles between items, blocks of several items,
+    # two consumer warpgroups (the ping-pong order running on over items)
     ("NHD", 1, 4, 64, 16, [20, 1, 0, 9], [0, 40, 8, 17], 3, 32,
      dict(programs=2, staging=TL.STAGING_Q_OWN, item_overlap=True)),
-    ("HND", 2, 2, 64, 16, [40, 2, 70], [10, 100, 0], 0, 32,
+    ("HND", 2, 2, 64, 16, [40, 2, 70], [10, 100, 0], 0, 128,
      dict(programs=3, staging=TL.STAGING_Q_OWN, item_overlap=True, qk_ahead=True)),
 ]
 

@@ -36,13 +36,15 @@ With two consumer warpgroups their tensor-core work alternates (FlashAttention-3
 (next step), wg1 PV, ..., so one warpgroup's softmax runs while the other's products occupy
 the tensor cores. Per item, warpgroup 1 passes the barrier once before its first step and
 warpgroup 0 once after its last, so both pass it ``2 * steps + 1`` times (both walk the same
-items and key steps: their rows are other heads of the same tokens).
+items and key steps: their rows are other heads of the same tokens); with ``item_overlap``
+they make those two passes once a block instead, so the order runs on from one item to the
+next and a warpgroup's epilogue runs while the other's products do.
 
 With ``KernelStatics.item_overlap`` (:data:`.tuning.ITEM_OVERLAP`; q in a staging buffer of
 its own) a block's items overlap at their boundary: a consumer copies the q slabs of its next
 item once the current item's are in the tiled buffer (an item's first product waits for no q
-copy), and waits for an item's output stores to have read the staging buffer only before it
-stages the next item's output.
+copy), waits for an item's output stores to have read the staging buffer only before it
+stages the next item's output, and the ping-pong order runs on over the item boundary.
 
 With ``KernelStatics.qk_ahead`` (:data:`.tuning.QK_AHEAD`) a consumer issues the next step's
 ``q K^T`` before its softmax, so that its own softmax overlaps its next product
@@ -294,7 +296,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       @pl.when(t.num_steps > 0)
       def _first_k():
         plgpu.barrier_wait(k_bars.at[slot_of(base)])
-      if ping_pong:
+      if ping_pong and not st.item_overlap:
         pl.when(wg == 1)(pass_schedule)   # warpgroup 0 issues first
       carry = (acc0, m0, l0)
       run = step
@@ -312,7 +314,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       carry = lax.fori_loop(t.b, t.c_end, lambda j, cr: run(j, cr, False), carry)
       carry = lax.fori_loop(t.c_end, t.j_hi, lambda j, cr: run(j, cr, True), carry)
       acc, l = carry[0], carry[2]
-      if ping_pong:
+      if ping_pong and not st.item_overlap:
         pl.when(wg == 0)(pass_schedule)   # the pass warpgroup 1 made before its first step
 
       l_safe = jnp.where(l > 0, l, 1.0)
@@ -336,7 +338,12 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return base + t.num_steps
 
+    overlap_schedule = ping_pong and st.item_overlap   # the order runs on over items
+    if overlap_schedule:
+      pl.when(wg == 1)(pass_schedule)
     _for_each_item(st, item, jnp.int32(0))
+    if overlap_schedule:
+      pl.when(wg == 0)(pass_schedule)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == geo.num_wgs)

@@ -36,9 +36,9 @@ class KernelStatics:
   registers: Optional[tuple[int, int]] = None   # (consumer, producer) registers a thread
                                                 # after the split; None: default_registers
   qk_ahead: bool = False     # each step issues the next step's q K^T before its softmax
-  item_overlap: bool = False  # a block's next item's q is copied while this one runs, and
-                              # the wait for this one's output stores is left to the next
-                              # (staging STAGING_Q_OWN only)
+  item_overlap: bool = False  # a block's next item's q is copied while this one runs, the
+                              # wait for this one's output stores is left to the next, the
+                              # ping-pong order runs on (staging STAGING_Q_OWN only)
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:

@@ -41,8 +41,9 @@ QK_AHEAD = False
 
 #: Whether the work items of a persistent block of the ragged kernel overlap at their
 #: boundary (where q has a shared-memory buffer of its own, ``tiles.STAGING_Q_OWN``): the
-#: q of the next item is copied while the current one runs, and an item's output stores are
-#: waited for only before the next item's output is staged. Not timed yet: off.
+#: q of the next item is copied while the current one runs, an item's output stores are
+#: waited for only before the next item's output is staged, and the two consumer
+#: warpgroups' ping-pong order runs on from item to item. Not timed yet: off.
 ITEM_OVERLAP = False
 
 #: How the ragged kernel issues ``acc += P V`` compiled (`mgpu-p-regs`): P as the register A
