@@ -73,7 +73,7 @@ from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.compat import interpret_params, load_whole
 from pallas_kernels.mosaic_gpu.kernel_statics import (SWIZZLE_ELEMS as _SWIZZLE_ELEMS,
                                                       KernelStatics)
-from pallas_kernels.mosaic_gpu.ragged_parts import accumulate_pv, store_rows
+from pallas_kernels.mosaic_gpu.ragged_parts import accumulate_pv, store_output
 from pallas_kernels.mosaic_gpu.work_items import for_each_item as _for_each_item
 from pallas_kernels.mosaic_gpu.work_items import work_item as _work_item
 
@@ -321,17 +321,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
       if st.item_overlap:       # the item before's stores have read the output buffer
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if not chunks:            # rows 2D bytes apart: the stores are bank-conflicted
-        o_smem.at[wg][...] = out.astype(st.dtype)
-      for c in range(chunks):
-        o_smem.at[wg, c][...] = out[:, c * _SWIZZLE_ELEMS:(c + 1) * _SWIZZLE_ELEMS].astype(
-            st.dtype)
-      plgpu.commit_smem()
-      for w_ in range(geo.num_wgs):
-        @pl.when(wg == w_)
-        def _store():
-          for sl in geo.slabs(w_):
-            store_rows(o_smem.at[w_], o_ref, sl, t.tok0, t.nq, h * g_count + sl.g, chunks)
+      store_output(out, st.dtype, o_smem, o_ref, wg, geo, t.tok0, t.nq, h * g_count, chunks)
       if not st.item_overlap:
         # the next item writes the staging buffer (its q, or with q_own its output), so the
         # stores must have read it by then

@@ -1,5 +1,5 @@
 """Pieces of the Mosaic GPU ragged kernel body (:mod:`.kernel`): ``acc += P V`` in each of its
-variants, and the TMA stores of a tile's output rows."""
+variants, and the staging and TMA stores of a tile's output rows."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -61,3 +61,21 @@ def store_rows(o_stage, o_ref, sl: TL.Slab, tok0, nq, head, chunks: int):
                                 dst.at[:, pl.ds(c * _SWIZZLE_ELEMS, _SWIZZLE_ELEMS)])
     start = start + (count & size)
     size //= 2
+
+
+def store_output(out, dtype, o_smem, o_ref, wg, geo: TL.TileGeometry, tok0, nq, head0,
+                 chunks: int):
+  """Stage warpgroup ``wg``'s ``(64, D)`` output rows ``out`` (float32, WGMMA layout) as
+  ``dtype`` in its part of the output staging buffer ``o_smem`` and TMA-store the real rows
+  of each of its slabs to ``o_ref`` ``[T, Hq, D]`` (heads ``head0 + slab.g``, tokens from
+  ``tok0``, ``nq`` real). Returns once the stores are issued (not awaited)."""
+  if not chunks:            # rows 2D bytes apart: the stores are bank-conflicted
+    o_smem.at[wg][...] = out.astype(dtype)
+  for c in range(chunks):
+    o_smem.at[wg, c][...] = out[:, c * _SWIZZLE_ELEMS:(c + 1) * _SWIZZLE_ELEMS].astype(dtype)
+  plgpu.commit_smem()
+  for w in range(geo.num_wgs):
+    @pl.when(wg == w)
+    def _store():
+      for sl in geo.slabs(w):
+        store_rows(o_smem.at[w], o_ref, sl, tok0, nq, head0 + sl.g, chunks)
