@@ -27,8 +27,7 @@ from op_suite import COMPILED, mosaic_gpu_numerics
 from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.ragged_attention import (ragged_paged_attention,
                                                         ragged_paged_attention_tiled,
-                                                        ragged_statics, spec_reason,
-                                                        supports_attention)
+                                                        spec_reason, supports_attention)
 
 
 # -- tile geometry -----------------------------------------------------------------------------
@@ -215,55 +214,6 @@ def test_lowers_with_each_staging(staging):
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("pv", TL.PV_VARIANTS)
-@pytest.mark.parametrize("head_size,max_query_len", [(128, 256), (256, 128)])
-def test_lowers_with_the_next_products_issued_ahead(pv, head_size, max_query_len):
-  """``qk_ahead``: the next step's ``q K^T`` in flight through the softmax and ``P V``, with
-  every ``P V`` variant, two consumer warpgroups (ping-pong) on 3 persistent blocks."""
-  spec = kvjax.KVCacheSpec(2, head_size, 16, dtype=jnp.bfloat16)
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-
-  def f(q, c, qsl, sl, bt):
-    return ragged_paged_attention_tiled(q, c, spec, query_start_loc=qsl, seq_lens=sl,
-                                        block_table=bt, scale=0.1, max_query_len=max_query_len,
-                                        pv=pv, num_programs=3, qk_ahead=True)
-  text = export.export(jax.jit(f), platforms=["cuda"])(
-      jax.ShapeDtypeStruct((300, 8, head_size), jnp.bfloat16),
-      jax.ShapeDtypeStruct(spec.physical_shape(64), jnp.bfloat16), i32(5), i32(4),
-      i32(4, 16)).mlir_module()
-  assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("qk_ahead", [False, True])
-@pytest.mark.parametrize("head_size,max_query_len", [(128, 256), (256, 128)])
-def test_lowers_with_overlapping_items(head_size, max_query_len, qk_ahead):
-  """``item_overlap``: q of a block's next item copied while the current one runs and the
-  output stores awaited at the next item, on 3 persistent blocks, with and without
-  ``qk_ahead``."""
-  spec = kvjax.KVCacheSpec(2, head_size, 16, dtype=jnp.bfloat16)
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-
-  def f(q, c, qsl, sl, bt):
-    return ragged_paged_attention_tiled(q, c, spec, query_start_loc=qsl, seq_lens=sl,
-                                        block_table=bt, scale=0.1, max_query_len=max_query_len,
-                                        num_programs=3, staging=TL.STAGING_Q_OWN,
-                                        item_overlap=True, qk_ahead=qk_ahead)
-  text = export.export(jax.jit(f), platforms=["cuda"])(
-      jax.ShapeDtypeStruct((300, 8, head_size), jnp.bfloat16),
-      jax.ShapeDtypeStruct(spec.physical_shape(64), jnp.bfloat16), i32(5), i32(4),
-      i32(4, 16)).mlir_module()
-  assert "mosaic_gpu" in text
-
-
-def test_item_overlap_needs_q_in_its_own_staging_buffer():
-  """The next item's q is copied into q's staging buffer while an item runs: with q staged in
-  the output's buffer the overlap is refused, naming the staging that was given."""
-  geo = TL.choose_geometry(4, 128, 16, 256)
-  with pytest.raises(ValueError, match="item_overlap needs staging 'q_own'.*'swizzled'"):
-    ragged_statics(kvjax.KVCacheSpec(2, 128, 16, dtype=jnp.bfloat16), jnp.bfloat16, 300, 8,
-                   4, 16, 64, geometry=geo, staging=TL.STAGING_SWIZZLED, item_overlap=True)
-
-
 def test_lowers_with_a_traced_softmax_scale():
   """A scale traced under jit is read by the kernel from an operand (no float() of a tracer)."""
   spec = kvjax.KVCacheSpec(2, 128, 16, dtype=jnp.bfloat16)
@@ -438,18 +388,10 @@ NUMERICS_CASES = [
      dict(sliding_window=20, soft_cap=5.0, sinks=True)),
     ("NHD", 2, 1, 64, 48, [150, 3], [0, 30], 1, 256, dict(sliding_window=50)),
     ("HND", 1, 2, 64, 16, [40, 2], [10, 100], 0, 64, dict(causal=False)),
-    # each step issues the next step's q K^T before its softmax (kernel_statics.qk_ahead)
-    ("NHD", 1, 2, 64, 16, [40, 1, 0], [300, 290, 9], 0, 64,
-     dict(stages=2, programs=1, qk_ahead=True)),
-    ("HND", 1, 7, 64, 32, [18, 1, 5], [3, 70, 0], 2, 32,
-     dict(sliding_window=20, soft_cap=5.0, sinks=True, qk_ahead=True)),
-    # q in its own staging buffer, items overlapping at their boundary
-    # (kernel_statics.item_overlap): surplus tiles between items, blocks of several items,
-    # two consumer warpgroups (the ping-pong order running on over items)
+    # q in a staging buffer of its own (the compiled default where it fits), swizzled, on
+    # blocks that walk several items with surplus tiles between them
     ("NHD", 1, 4, 64, 16, [20, 1, 0, 9], [0, 40, 8, 17], 3, 32,
-     dict(programs=2, staging=TL.STAGING_Q_OWN, item_overlap=True)),
-    ("HND", 2, 2, 64, 16, [40, 2, 70], [10, 100, 0], 0, 128,
-     dict(programs=3, staging=TL.STAGING_Q_OWN, item_overlap=True, qk_ahead=True)),
+     dict(programs=2, staging=TL.STAGING_Q_OWN)),
 ]
 
 
@@ -467,11 +409,11 @@ def test_kernel_matches_reference(rng, layout, h, group, head_size, block_size, 
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray(rng.standard_normal(h * group) * 2, jnp.float32)
   programs = kw.pop("programs", 0)
-  statics = {k: kw.pop(k, d) for k, d in (("qk_ahead", False), ("item_overlap", False),
-                                           ("staging", None))}
+  staging = kw.pop("staging", None)
   out = ragged_paged_attention_tiled(q, cache, spec, query_start_loc=qsl, seq_lens=sl,
                                      block_table=bt, max_query_len=mql, interpret=not COMPILED,
-                                     geometry=geo, num_programs=programs, **statics, **kw)
+                                     geometry=geo, num_programs=programs, staging=staging,
+                                     **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
   o = np.asarray(out, np.float32)
   r = np.asarray(jax.jit(functools.partial(ref_attention, spec=spec, **kw))(

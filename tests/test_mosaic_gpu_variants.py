@@ -1,9 +1,8 @@
 """The Mosaic GPU ragged kernel compiled, in every variant it can be built in: each ``acc += P V``
-form (``tiles.PV_VARIANTS``), the next key step's products issued ahead (``qk_ahead``), each
-q / output staging (``tiles.STAGINGS``), persistent blocks walking several work items, head
-sizes 128 and 256, one and two consumer warpgroups, float16, pages of 48 tokens, quantized
-caches through the plain copy, and q tiles at every token offset mod 8; each against
-``kvjax.reference.unified_attention`` on a NaN-poisoned cache.
+form (``tiles.PV_VARIANTS``), each q / output staging (``tiles.STAGINGS``), persistent blocks
+walking several work items, head sizes 128 and 256, one and two consumer warpgroups, float16,
+pages of 48 tokens, quantized caches through the plain copy, and q tiles at every token offset
+mod 8; each against ``kvjax.reference.unified_attention`` on a NaN-poisoned cache.
 
 Compiled only (``KVJAX_TEST_COMPILED=1`` on an sm90+ GPU, tests/compiled_groups.py, group
 "mosaic"): these batches are minutes each in Mosaic GPU interpret mode, whose numerics
@@ -74,26 +73,6 @@ def _check(rng, layout, h, group, head_size, block_size, q_lens, ctx_lens, pad,
 @pytest.mark.parametrize("pv", TL.PV_VARIANTS)
 def test_every_pv_variant(rng, pv, layout):
   _check(rng, layout, 2, 4, 128, 16, *MIX, pv=pv)
-
-
-@mosaic_gpu_numerics
-@pytest.mark.parametrize("head_size", [128, 256])
-@pytest.mark.parametrize("pv", TL.PV_VARIANTS)
-def test_next_products_issued_ahead(rng, pv, head_size):
-  """``qk_ahead``: each step's softmax runs while the next step's ``q K^T`` does, on three
-  persistent blocks (two consumer warpgroups in ping-pong)."""
-  _check(rng, "NHD", 2, 4, head_size, 16, *MIX, pv=pv, num_programs=3, qk_ahead=True)
-
-
-@mosaic_gpu_numerics
-@pytest.mark.parametrize("qk_ahead", [False, True])
-@pytest.mark.parametrize("head_size", [128, 256])
-def test_items_overlapping_at_their_boundary(rng, head_size, qk_ahead):
-  """``item_overlap``: each persistent block copies its next item's q while the current item
-  runs (q in its own staging buffer) and waits for an item's output stores at the next, with
-  and without ``qk_ahead``."""
-  _check(rng, "NHD", 2, 4, head_size, 16, *MIX, staging=TL.STAGING_Q_OWN, num_programs=3,
-         item_overlap=True, qk_ahead=qk_ahead)
 
 
 @mosaic_gpu_numerics

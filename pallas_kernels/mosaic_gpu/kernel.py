@@ -36,21 +36,7 @@ With two consumer warpgroups their tensor-core work alternates (FlashAttention-3
 (next step), wg1 PV, ..., so one warpgroup's softmax runs while the other's products occupy
 the tensor cores. Per item, warpgroup 1 passes the barrier once before its first step and
 warpgroup 0 once after its last, so both pass it ``2 * steps + 1`` times (both walk the same
-items and key steps: their rows are other heads of the same tokens); with ``item_overlap``
-they make those two passes once a block instead, so the order runs on from one item to the
-next and a warpgroup's epilogue runs while the other's products do.
-
-With ``KernelStatics.item_overlap`` (:data:`.tuning.ITEM_OVERLAP`; q in a staging buffer of
-its own) a block's items overlap at their boundary: a consumer copies the q slabs of its next
-item once the current item's are in the tiled buffer (an item's first product waits for no q
-copy), waits for an item's output stores to have read the staging buffer only before it
-stages the next item's output, and the ping-pong order runs on over the item boundary.
-
-With ``KernelStatics.qk_ahead`` (:data:`.tuning.QK_AHEAD`) a consumer issues the next step's
-``q K^T`` before its softmax, so that its own softmax overlaps its next product
-(FlashAttention-3's intra-warpgroup overlap); the scores of a step then come from the step
-before (the first from a product before the loop), and a K slot is released as soon as its
-scores are read.
+items and key steps: their rows are other heads of the same tokens).
 
 Keys past the sequence end in the last step are whatever the cache holds there (stale
 bytes, NaN): their scores are selected away, and the V rows of that step past the end are
@@ -157,28 +143,16 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
       step count after it."""
       t = _work_item(meta_ref, w, st)
       h = t.h
-      # Through untiled memory: a TMA copy straight into the tiled buffer would split the
-      # token start into (start // 8, start % 8) box coordinates, so a start that is not a
-      # multiple of 8 would zero-fill rows of every 8-row group. With item_overlap the item
-      # before copied q (the block's first item copies its own).
       for w_ in range(geo.num_wgs):                # q slabs of this warpgroup, one barrier
-        mine = (wg == w_) & (t.nq > 0)             # surplus tiles: no rows, no keys
-
-        @pl.when(mine & (w < st.grid_size) if st.item_overlap else mine)
-        def _copy_q():
-          copy_q(w_, t)
-
-        @pl.when(mine)
+        @pl.when((wg == w_) & (t.nq > 0))            # surplus tiles: no rows, no keys
         def _load_q():
+          # Through untiled memory: a TMA copy straight into the tiled buffer would split the
+          # token start into (start // 8, start % 8) box coordinates, so a start that is not
+          # a multiple of 8 would zero-fill rows of every 8-row group.
+          copy_q(w_, t)
           plgpu.barrier_wait(q_bars[w_])
           stage_to_q(w_)
           plgpu.commit_smem()    # generic-proxy stores visible to wgmma (async proxy)
-
-        if st.item_overlap:        # the staging buffer is free (commit_smem ends in a barrier)
-          @pl.when((wg == w_) & (w + st.grid_size < st.num_items))
-          def _copy_next_q():
-            t_next = _work_item(meta_ref, w + st.grid_size, st)
-            pl.when(t_next.nq > 0)(lambda: copy_q(w_, t_next))
       q_wg = q_smem.at[wg]
       q_pos = t.pos0 + lax.rem(row, bq)            # absolute position of each row's token
 
@@ -194,15 +168,17 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
         l0 = cast(jnp.zeros((TL.WG_ROWS,), jnp.float32), row_layout)
       acc0 = cast(jnp.zeros((TL.WG_ROWS, d), jnp.float32), wgmma_layout)
 
-      def step_slot(j):
-        return slot_of(base + j - t.j_lo)
+      def step(j, carry, masked: bool):
+        acc, m, l = carry
+        slot = slot_of(base + j - t.j_lo)      # its K was waited for by the step before
 
-      def products(s_ref, slot):   # S = q K^T of a K slot, issued (not awaited)
-        plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
-
-      def softmax_pv(j, slot, s, acc, m, l, masked: bool, while_running):
-        """Step j (its K/V slot ``slot``) from its scores ``s``: the online softmax update
-        and ``acc += P V``."""
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
+          if ping_pong:
+            pass_schedule()      # the other warpgroup's wgmmas are issued next
+          return acc_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
         if not fold:
           s = s * log2_factor
         if st.soft_cap is not None:   # c * tanh(x / c) of x = s / log2(e), in the log2 domain
@@ -248,92 +224,37 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
               v_ref[...] = jnp.where(keep, v_ref[...], 0).astype(st.dtype)
             plgpu.commit_smem()
 
-        acc = accumulate_pv(acc, p16, v_smem.at[slot],
-                             None if p_smem is None else p_smem.at[wg], st.pv, while_running)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
-
-      def step(j, carry, masked: bool):
-        """Step j, its scores computed here (awaited before the softmax)."""
-        acc, m, l = carry
-        slot = step_slot(j)      # its K was waited for by the step before
-
-        def qk(s_ref):
-          products(s_ref, slot)
-          if ping_pong:
-            pass_schedule()      # the other warpgroup's wgmmas are issued next
-          return s_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-
         def wait_next_k():       # while the P V wgmma runs
           @pl.when(j + 1 < t.j_hi)
           def _():
             plgpu.barrier_wait(k_bars.at[slot_of(base + j + 1 - t.j_lo)])
-        return softmax_pv(j, slot, s, acc, m, l, masked, wait_next_k)
 
-      def step_ahead(j, carry, masked: bool):
-        """Step j with ``st.qk_ahead``: its scores came from the step before (its K slot is
-        released once they are read); the next step's ``q K^T``, if the item has a next
-        step, is issued first and runs while this step's softmax does."""
-        acc, m, l, s = carry
-        more = j + 1 < t.j_hi
-        slot_next = step_slot(j + 1)
-
-        def ahead(s_ref):
-          @pl.when(more)
-          def _issue():
-            plgpu.barrier_wait(k_bars.at[slot_next])
-            products(s_ref, slot_next)
-          if ping_pong:
-            pass_schedule()
-          out = softmax_pv(j, step_slot(j), s, acc, m, l, masked, lambda: None)
-          return out + (s_ref[...],)
-        out = pl.run_scoped(ahead, plgpu.ACC(shape, jnp.float32))
-        pl.when(more)(lambda: plgpu.barrier_arrive(k_free.at[slot_next]))
-        return out
+        acc = accumulate_pv(acc, p16, v_smem.at[slot],
+                            None if p_smem is None else p_smem.at[wg], st.pv, wait_next_k)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
 
       @pl.when(t.num_steps > 0)
       def _first_k():
         plgpu.barrier_wait(k_bars.at[slot_of(base)])
-      if ping_pong and not st.item_overlap:
+      if ping_pong:
         pl.when(wg == 1)(pass_schedule)   # warpgroup 0 issues first
       carry = (acc0, m0, l0)
-      run = step
-      if st.qk_ahead:          # the first step's scores, before the loop
-        run = step_ahead
-
-        def first(s_ref):
-          @pl.when(t.num_steps > 0)
-          def _issue():
-            products(s_ref, slot_of(base))
-          return s_ref[...]
-        carry += (pl.run_scoped(first, plgpu.ACC(shape, jnp.float32)),)
-        pl.when(t.num_steps > 0)(lambda: plgpu.barrier_arrive(k_free.at[slot_of(base)]))
-      carry = lax.fori_loop(t.j_lo, t.b, lambda j, cr: run(j, cr, True), carry)
-      carry = lax.fori_loop(t.b, t.c_end, lambda j, cr: run(j, cr, False), carry)
-      carry = lax.fori_loop(t.c_end, t.j_hi, lambda j, cr: run(j, cr, True), carry)
-      acc, l = carry[0], carry[2]
-      if ping_pong and not st.item_overlap:
+      carry = lax.fori_loop(t.j_lo, t.b, lambda j, cr: step(j, cr, True), carry)
+      carry = lax.fori_loop(t.b, t.c_end, lambda j, cr: step(j, cr, False), carry)
+      acc, _, l = lax.fori_loop(t.c_end, t.j_hi, lambda j, cr: step(j, cr, True), carry)
+      if ping_pong:
         pl.when(wg == 0)(pass_schedule)   # the pass warpgroup 1 made before its first step
 
       l_safe = jnp.where(l > 0, l, 1.0)
       out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      if st.item_overlap:       # the item before's stores have read the output buffer
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       store_output(out, st.dtype, o_smem, o_ref, wg, geo, t.tok0, t.nq, h * g_count, chunks)
-      if not st.item_overlap:
-        # the next item writes the staging buffer (its q, or with q_own its output), so the
-        # stores must have read it by then
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      # the next item writes the staging buffer (its q, or with q_own its output), so the
+      # stores must have read it by then
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return base + t.num_steps
 
-    overlap_schedule = ping_pong and st.item_overlap   # the order runs on over items
-    if overlap_schedule:
-      pl.when(wg == 1)(pass_schedule)
     _for_each_item(st, item, jnp.int32(0))
-    if overlap_schedule:
-      pl.when(wg == 0)(pass_schedule)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == geo.num_wgs)

@@ -35,10 +35,6 @@ class KernelStatics:
                                     # (tiles.STAGINGS, tiles.choose_staging)
   registers: Optional[tuple[int, int]] = None   # (consumer, producer) registers a thread
                                                 # after the split; None: default_registers
-  qk_ahead: bool = False     # each step issues the next step's q K^T before its softmax
-  item_overlap: bool = False  # a block's next item's q is copied while this one runs, the
-                              # wait for this one's output stores is left to the next, the
-                              # ping-pong order runs on (staging STAGING_Q_OWN only)
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:
@@ -48,9 +44,6 @@ class KernelStatics:
                        f"{self.pv!r}")
     if self.staging not in TL.STAGINGS:
       raise ValueError(f"staging {self.staging!r} is not one of {TL.STAGINGS}")
-    if self.item_overlap and self.staging != TL.STAGING_Q_OWN:
-      raise ValueError(f"item_overlap needs staging {TL.STAGING_Q_OWN!r} (q's own buffer, free "
-                       f"while an item runs), got {self.staging!r}")
     if self.num_programs < 0:
       raise ValueError(f"num_programs={self.num_programs} must be >= 0")
     if self.registers is not None:

@@ -147,18 +147,13 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  geometry: TL.TileGeometry | None = None,
                                  ping_pong: bool = True, num_programs: int | None = None,
                                  staging: str | None = None,
-                                 registers: tuple[int, int] | None = None,
-                                 qk_ahead: bool | None = None,
-                                 item_overlap: bool | None = None):
+                                 registers: tuple[int, int] | None = None):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), the ping-pong schedule of two consumer warpgroups
   switchable (``kernel.py``), the number of CUDA blocks (None: :func:`.tuning.num_programs`;
   0: one per work item), how q and the output pass through shared memory (None:
-  :func:`tiles.choose_staging`; one of ``tiles.STAGINGS``), the (consumer, producer)
-  registers a thread (None: ``kernel.default_registers``) and whether each key step issues
-  the next one's ``q K^T`` before its softmax (None: :data:`.tuning.QK_AHEAD`) and whether a
-  block's items overlap at their boundary (None: :data:`.tuning.ITEM_OVERLAP` where q has its
-  own staging buffer), for benchmark sweeps."""
+  :func:`tiles.choose_staging`; one of ``tiles.STAGINGS``) and the (consumer, producer)
+  registers a thread (None: ``kernel.default_registers``), for benchmark sweeps."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
@@ -177,7 +172,7 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       soft_cap=soft_cap, sinks=sinks is not None, max_query_len=max_query_len,
       interpret=interpret, pv=pv, geometry=geometry, ping_pong=ping_pong,
       num_programs=MT.num_programs(interpret) if num_programs is None else int(num_programs),
-      staging=staging, registers=registers, qk_ahead=qk_ahead, item_overlap=item_overlap)
+      staging=staging, registers=registers)
   meta = TL.tile_metadata(query_start_loc, seq_lens, max_blocks, t, st.num_tiles, st.geo.bq)
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
@@ -191,8 +186,7 @@ def ragged_statics(spec: KVCacheSpec, q_dtype, num_tokens: int, num_heads: int,
                    causal=True, sliding_window=None, soft_cap=None, sinks: bool = False,
                    max_query_len=None, interpret=False, pv=None,
                    geometry: TL.TileGeometry | None = None, ping_pong: bool = True,
-                   num_programs: int = 0, staging: str | None = None, registers=None,
-                   qk_ahead: bool | None = None, item_overlap: bool | None = None):
+                   num_programs: int = 0, staging: str | None = None, registers=None):
   """The ragged kernel's statics (:class:`.kernel_statics.KernelStatics`) for one call
   shape: T tokens of Hq heads in S sequences over a plain cache of B blocks, block tables
   of width M; ``scale`` a float (None: the kernel reads it from an operand), the tile from
@@ -216,8 +210,6 @@ def ragged_statics(spec: KVCacheSpec, q_dtype, num_tokens: int, num_heads: int,
   if need > TL.SMEM_BUDGET:
     raise ValueError(f"geometry {geo} needs {need} bytes of shared memory with pv={pv!r}, "
                      f"staging={staging!r}; the budget is {TL.SMEM_BUDGET}")
-  if item_overlap is None:
-    item_overlap = MT.ITEM_OVERLAP and staging == TL.STAGING_Q_OWN and num_programs > 0
   # q and out move through untiled shared memory: a tile may start at any token, T need not
   # be a multiple of 8 (the kernel's q boxes past T read zeros, its stores stop at T).
   return K.KernelStatics(
@@ -227,9 +219,7 @@ def ragged_statics(spec: KVCacheSpec, q_dtype, num_tokens: int, num_heads: int,
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=bool(sinks),
       scale=scale, dtype=np.dtype(q_dtype), interpret=bool(interpret), pv=pv,
       ping_pong=bool(ping_pong), num_programs=int(num_programs), staging=staging,
-      registers=None if registers is None else tuple(registers),
-      qk_ahead=MT.QK_AHEAD if qk_ahead is None else bool(qk_ahead),
-      item_overlap=bool(item_overlap))
+      registers=None if registers is None else tuple(registers))
 
 
 def _checked(spec: KVCacheSpec, q_dtype, num_heads: int, pv, interpret):

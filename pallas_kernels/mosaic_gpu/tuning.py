@@ -34,18 +34,6 @@ AUTO_MIN_QUERY_LEN = 128
 #: consumers finish the current one (`mgpu-persistent`).
 PERSISTENT = True
 
-#: Whether each key step of the ragged kernel issues the next step's ``q K^T`` before its
-#: softmax, so that one warpgroup's softmax overlaps its own next product
-#: (FlashAttention-3's intra-warpgroup overlap). Not timed yet: off.
-QK_AHEAD = False
-
-#: Whether the work items of a persistent block of the ragged kernel overlap at their
-#: boundary (where q has a shared-memory buffer of its own, ``tiles.STAGING_Q_OWN``): the
-#: q of the next item is copied while the current one runs, an item's output stores are
-#: waited for only before the next item's output is staged, and the two consumer
-#: warpgroups' ping-pong order runs on from item to item. Not timed yet: off.
-ITEM_OVERLAP = False
-
 #: How the ragged kernel issues ``acc += P V`` compiled (`mgpu-p-regs`): P as the register A
 #: operand of wgmma (``tiles.PV_VARIANTS``).
 DEFAULT_PV = "p_regs"
