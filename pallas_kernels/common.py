@@ -8,6 +8,8 @@ interpret mode alike: integer shifts, equal-width bitcasts, selects.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,7 @@ def gpu_sm_count(default: int) -> int:
   return int(getattr(gpus[0], "core_count", 0) or default)
 
 
+@functools.cache
 def triton_lowering_available() -> bool:
   """Whether this JAX has Pallas' Triton lowering (deprecated in JAX 0.11): the Mosaic GPU
   ``auto`` rules weigh their kernels against the Triton ones only while it exists."""
