@@ -61,18 +61,35 @@ def _f16x2(op, a, b):
 
 
 def _prmt(a, b, sel):
-  """PTX prmt.b32 (default mode): byte i of the result is byte sel[i] of {b:a}."""
-  a, b = np.broadcast_arrays(a, b)
+  """PTX prmt.b32 (default mode): byte i of the result is byte ``sel``'s nibble i (its low 3
+  bits) of {b:a}, or that byte's sign bit repeated where the nibble's bit 3 is set."""
+  a, b, sel = (np.asarray(v, np.uint32) for v in np.broadcast_arrays(a, b, sel))
   src = np.stack([(a >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)] +
                  [(b >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)])
-  return sum(src[(sel >> (4 * i)) & 7] << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
+  out = np.zeros(a.shape, np.uint32)
+  for i in range(4):
+    nib = (sel >> np.uint32(4 * i)) & np.uint32(0xF)
+    byte = np.take_along_axis(src, (nib & 7)[None].astype(np.intp), 0)[0]
+    byte = np.where(nib & 8, np.where(byte & 0x80, np.uint32(0xFF), np.uint32(0)), byte)
+    out |= byte.astype(np.uint32) << np.uint32(8 * i)
+  return out
 
 
-def _run(ptx, reg):
-  """Run one asm snippet of pairs.py on uint32 ``reg`` ($1) -> $0 (int and f16x2 ops only)."""
-  env = {"$1": reg.astype(np.uint32)}
+def _lop3(a, b, c, table):
+  """PTX lop3.b32: each result bit is bit ``4 a + 2 b + c`` of ``table``."""
+  out = np.zeros(np.broadcast(a, b, c).shape, np.uint32)
+  for k in range(8):
+    if table >> k & 1:
+      out |= ((a if k & 4 else ~a) & (b if k & 2 else ~b) & (c if k & 1 else ~c))
+  return out
+
+
+def _run(ptx, reg, outputs=("$0",), input_name="$1"):
+  """Run one asm snippet on uint32 ``reg`` (``input_name``) -> the ``outputs`` registers
+  (int and f16x2 ops only; one output: that array)."""
+  env = {input_name: reg.astype(np.uint32)}
   val = lambda t: env[t] if t in env else np.uint32(int(t, 0))
-  for stmt in filter(None, (x.strip(" {}") for x in ptx.split(";"))):
+  for stmt in filter(None, (x.strip(" {}\n") for x in ptx.split(";"))):
     op, _, args = stmt.partition(" ")
     if op == ".reg":
       continue
@@ -81,11 +98,12 @@ def _run(ptx, reg):
     env[d] = {"mov.b32": lambda: a[0] + np.uint32(0), "shl.b32": lambda: a[0] << a[1],
               "shr.b32": lambda: a[0] >> a[1], "and.b32": lambda: a[0] & a[1],
               "xor.b32": lambda: a[0] ^ a[1],
-              "lop3.b32": lambda: (a[0] & a[1]) | a[2] if src[3] == "0xEA" else None,
-              "prmt.b32": lambda: _prmt(a[0], a[1], int(src[2], 0)),
+              "lop3.b32": lambda: _lop3(a[0], a[1], a[2], int(src[3], 0)),
+              "prmt.b32": lambda: _prmt(a[0], a[1], a[2]),
               "sub.rn.f16x2": lambda: _f16x2(np.subtract, a[0], a[1]),
               "mul.rn.f16x2": lambda: _f16x2(np.multiply, a[0], a[1])}[op]()
-  return env["$0"]
+  got = tuple(env[o].astype(np.uint32) for o in outputs)
+  return got[0] if len(got) == 1 else got
 
 
 @pytest.mark.parametrize("code", ["int4", "e2m1", "int8"])
@@ -105,3 +123,21 @@ def test_ptx_splits_both_words_of_a_register(code):
       lane = (_run(ptx, reg) >> shift) & 0xFFFF
       np.testing.assert_array_equal(lane.astype(np.uint16),
                                     np.asarray(w, np.float16).view(np.uint16))
+
+
+@pytest.mark.parametrize("code", ["e2m1", "int4"])
+def test_mosaic_gpu_nibble_ptx_decodes_every_byte_pair(code):
+  """The Mosaic GPU kernels' nibble conversions (pallas_kernels.mosaic_gpu.nibbles): every two
+  bytes (the register's high half random) -> the float16x2 of their low nibbles and of their
+  high nibbles, bit for bit (signs of zero included); int4's high nibbles read 16 n."""
+  from pallas_kernels.mosaic_gpu import nibbles
+  ptx, table, high_factor = {"e2m1": (nibbles.E2M1_PTX, E2M1, 1),
+                             "int4": (nibbles.INT4_PTX, np.arange(16, dtype=np.float32), 16)}[code]
+  high = np.random.default_rng(1).integers(0, 1 << 16, WORDS.size, dtype=np.uint32)
+  reg = WORDS.astype(np.uint32) | (high << np.uint32(16))
+  lo, hi = _run(ptx, reg, outputs=("$0", "$1"), input_name="$2")
+  for got, shift, factor in ((lo, 0, 1), (hi, 4, high_factor)):
+    want = np.stack([table[(WORDS >> (8 * b + shift)) & 0xF] for b in range(2)], -1) * factor
+    got = got.view("<f2").reshape(-1, 2).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

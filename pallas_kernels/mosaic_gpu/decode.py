@@ -11,6 +11,7 @@ Works under ``jax.jit`` with traced ``seq_lens``, ``block_table``, ``scale`` and
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -64,7 +65,7 @@ def decode_statics(spec: KVCacheSpec, q_dtype, num_rows: int, num_heads: int,
   reason = decode_reason(spec, q_dtype, g)
   if reason is not None:
     raise ValueError(f"Mosaic GPU decode: {reason}")
-  ops = ADAPTERS.hooks(spec.codec).of(spec, q_dtype)
+  ops = dataclasses.replace(ADAPTERS.hooks(spec.codec).of(spec, q_dtype), ptx=not interpret)
   steps = cdiv(max_blocks * spec.block_size, DG.DecodeGeometry.block_kv)
   if num_splits is None and finish:
     num_splits = 1

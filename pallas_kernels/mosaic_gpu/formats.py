@@ -47,9 +47,12 @@ class Operands:
     storage: the cache array's dtype.
     compute: the dtype of the wgmma operands (q's too):
       :func:`pallas_kernels.common.compute_dtype`, the rule of every GPU kernel.
+    ptx: whether the kernel is compiled for CUDA, where the hooks may convert codes with
+      inline PTX (:mod:`.nibbles`); Mosaic GPU's interpret mode runs none.
   """
   storage: np.dtype
   compute: np.dtype
+  ptx: bool = False
 
   @classmethod
   def of(cls, spec, q_dtype) -> "Operands":

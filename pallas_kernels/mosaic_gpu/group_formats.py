@@ -11,20 +11,22 @@ group of ``4 S`` bytes: :func:`kvjax.quant.nvfp4_v_scale_position`).
 **Scales.** Each thread needs, for its rows, the scale of every group: a row vector of the
 step's keys per group (the WGMMA row layout), broadcast to the group's 8 columns of a nibble
 half and concatenated into a ``(T, W)`` float16 scale array (a register concatenation).
-K: the scale bytes go through a ``(T, S)`` float32 staging buffer that the WGMMA layout
-reads, and a group's row vector is one select and a sum over the 4 lanes of a row. V: each
+K: the scale bytes go through a ``(T, S)`` float32 staging buffer, and a group's row vector is
+a load of its column (two scalar loads a thread). V: each
 thread stores its 4 bytes ``[a][s][0:4]`` of a 4-token group ``a`` to ``staging[s, 4 a:4 a
 + 4]`` of an ``(S, T)`` buffer (through a reshaped, transposed view; interpret mode, which
 takes no reshaped view, stores the same values through a transpose of registers) and reads
 group s's row vector from row s. The e4m3 bytes become float32 from their bits (times
 ``2**120``, the bias difference: exact, subnormals included).
 
-**Values.** A nibble's 3 magnitude bits at float16 bits 9-11 and its sign at bit 15 are its
-value times ``2**-14`` (:func:`kvjax.quant.e2m1_pair_to_f16`); times ``2**14`` and the group
-scale, both exact in float16 (``|e2m1 x e4m3| <= 2688``). The global K / V scales are the
-per-head factors (:meth:`kvjax.codecs.Codec.tensor_scales`). The kernel computes in the order
-``[even dims | odd dims]`` (low nibble: the even dim): :meth:`q_operand` and :meth:`output`
-permute.
+**Values.** The data bytes move from the 4-byte upcast layout to the WGMMA one as bytes (one
+warp shuffle and one byte permute per 4 bytes); compiled, a byte permute through a table gives
+two codes' float16 values at once (:mod:`.nibbles`); interpret mode, which runs no inline PTX,
+places a nibble's 3 magnitude bits at float16 bits 9-11 and its sign at bit 15, its value times
+``2**-14`` (:func:`kvjax.quant.e2m1_pair_to_f16`), times ``2**14``. Then times the group scale,
+exact in float16 (``|e2m1 x e4m3| <= 2688``). The global K / V scales are the per-head factors
+(:meth:`kvjax.codecs.Codec.tensor_scales`). The kernel computes in the order ``[even dims | odd
+dims]`` (low nibble: the even dim): :meth:`q_operand` and :meth:`output` permute.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from typing import ClassVar, NamedTuple, Optional
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.mosaic_gpu import nibbles
 from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
 from pallas_kernels.mosaic_gpu.formats import Operands, even_odd, from_even_odd
 
@@ -56,6 +59,18 @@ def e4m3_bits_to_f32(b):
   lax, _, _, _ = _mgpu()
   bits = lax.shift_left(b & 0x7F, 20) | lax.shift_left(b & 0x80, 24)
   return lax.bitcast_convert_type(bits, jnp.float32) * _E4M3_BIAS_SHIFT
+
+
+def _e2m1_halves_from_bits(w):
+  """uint8 bytes of e2m1 code pairs -> (low, high) codes' float16 values: each code's 3
+  magnitude bits at float16 bits 9-11 and its sign at bit 15 read ``value * 2**-14``
+  (:func:`kvjax.quant.e2m1_pair_to_f16`), times ``2**14`` (exact)."""
+  lax, _, _, _ = _mgpu()
+  w = w.astype(jnp.uint16)
+  u16 = lambda v: jnp.uint16(v)   # noqa: E731
+  bits = ((lax.shift_left(w & u16(0x07), u16(9)) | lax.shift_left(w & u16(0x08), u16(12))),
+          (lax.shift_left(w & u16(0x70), u16(5)) | lax.shift_left(w & u16(0x80), u16(8))))
+  return [lax.bitcast_convert_type(b, jnp.float16) * jnp.float16(_E2M1_SHIFT) for b in bits]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +119,14 @@ class Nvfp4Operands(Operands):
     return x.astype(jnp.int32)
 
   def _k_group_scales(self, scale_ref, staging, commit):
-    """K: float32 ``(T,)`` scale of each key for each group (WGMMA row layout)."""
-    lax, _, plgpu, load_whole = _mgpu()
+    """K: float32 ``(T,)`` scale of each key for each group (WGMMA row layout), read from the
+    group's column of the staged ``(T, S)`` scales."""
+    _, _, plgpu, load_whole = _mgpu()
     t, s = staging.shape
     staging[...] = e4m3_bits_to_f32(self._scale_bytes(scale_ref)).reshape(t, s)
     commit()
-    x = load_whole(staging, layout=plgpu.Layout.WGMMA, optimized=False)
-    cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (t, s), 1), plgpu.Layout.WGMMA)
-    return [jnp.where(cols == g, x, 0.0).sum(axis=1) for g in range(s)]
+    return [load_whole(staging.at[:, g], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            for g in range(s)]
 
   def _v_group_scales(self, scale_ref, staging, commit, interpret: bool):
     """V: float32 ``(T,)`` scale of each key for each group (WGMMA row layout)."""
@@ -127,20 +142,19 @@ class Nvfp4Operands(Operands):
 
   def _values(self, data_ref, group_scales):
     """The slot's values ``[even | odd]``, float16 ``(T, D)`` in the WGMMA layout, each times
-    its group scale."""
+    its group scale. Compiled: byte permutes through a table (:mod:`.nibbles`); interpret
+    mode: the codes' bits placed under float16's (the same values)."""
     lax, _, plgpu, load_whole = _mgpu()
     wgmma = plgpu.Layout.WGMMA
     t = data_ref.shape[0]
     scale = jnp.concatenate([lax.broadcast_in_dim(g.astype(jnp.float16), (t, 8), [0])
                              for g in group_scales], axis=1)
     w = load_whole(data_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X, optimized=False)
-    w = w.astype(jnp.uint16)
-    u16 = lambda v: jnp.uint16(v)   # noqa: E731
-    halves = ((lax.shift_left(w & u16(0x07), u16(9)) | lax.shift_left(w & u16(0x08), u16(12))),
-              (lax.shift_left(w & u16(0x70), u16(5)) | lax.shift_left(w & u16(0x80), u16(8))))
-    vals = [plgpu.layout_cast(lax.bitcast_convert_type(b, jnp.float16) * jnp.float16(
-        _E2M1_SHIFT), wgmma) * scale for b in halves]
-    return jnp.concatenate(vals, axis=1).astype(self.compute)
+    if self.ptx:
+      halves = nibbles.to_f16_halves(w, nibbles.E2M1_PTX)
+    else:
+      halves = [plgpu.layout_cast(v, wgmma) for v in _e2m1_halves_from_bits(w)]
+    return jnp.concatenate([v * scale for v in halves], axis=1).astype(self.compute)
 
   def step_slot(self, land, slot, interpret: bool):
     data, scales, staging = land
