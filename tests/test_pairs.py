@@ -1,6 +1,7 @@
 """Words of codes as float16 (pallas_kernels.triton.pairs), outside any kernel: every uint16
 word against numpy's own decoding of its two bytes or four nibbles, and the PTX snippets the
-compiled kernel uses, run by a small interpreter of their instructions, against the same."""
+compiled kernels use (the Triton kernels' and pallas_kernels.mosaic_gpu.nibbles'), run by a
+small interpreter of their instructions, against the same."""
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

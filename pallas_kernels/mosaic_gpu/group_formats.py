@@ -12,11 +12,11 @@ group of ``4 S`` bytes: :func:`kvjax.quant.nvfp4_v_scale_position`).
 step's keys per group (the WGMMA row layout), broadcast to the group's 8 columns of a nibble
 half and concatenated into a ``(T, W)`` float16 scale array (a register concatenation).
 K: the scale bytes go through a ``(T, S)`` float32 staging buffer, and a group's row vector is
-a load of its column (two scalar loads a thread). V: each
-thread stores its 4 bytes ``[a][s][0:4]`` of a 4-token group ``a`` to ``staging[s, 4 a:4 a
-+ 4]`` of an ``(S, T)`` buffer (through a reshaped, transposed view; interpret mode, which
-takes no reshaped view, stores the same values through a transpose of registers) and reads
-group s's row vector from row s. The e4m3 bytes become float32 from their bits (times
+a load of its column (two scalar loads a thread). V: each thread stores its 4 bytes
+``[a][s][0:4]`` of a 4-token group ``a`` to ``staging[s, 4 a:4 a + 4]`` of an ``(S, T)``
+buffer (through a reshaped, transposed view; interpret mode, which takes no reshaped view,
+stores the same values through a transpose of registers) and reads group s's row vector from
+row s. The e4m3 bytes become float32 from their bits (times
 ``2**120``, the bias difference: exact, subnormals included).
 
 **Values.** The data bytes move from the 4-byte upcast layout to the WGMMA one as bytes (one

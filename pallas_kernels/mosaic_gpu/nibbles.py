@@ -56,8 +56,8 @@ lop3.b32 $1, mag_hi, sgn_hi, 0x80008000, 0xF8;
 def to_f16_halves(codes, ptx: str):
   """uint8 ``codes (T, W)`` in the ``WGMMA_UPCAST_2X`` layout (two codes a byte, low nibble
   first) -> ``(low nibbles, high nibbles)`` by ``ptx`` (:data:`E2M1_PTX`), float16 ``(T, W)``
-  each in the WGMMA layout. The bytes move to the WGMMA layout first (one
-  warp shuffle and one byte permute per 4 bytes). Compiled kernels only."""
+  each in the WGMMA layout. The bytes move to the WGMMA layout first (one warp shuffle and
+  one byte permute per 4 bytes). Compiled kernels only."""
   import jax.numpy as jnp   # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu   # noqa: PLC0415
   out = plgpu.ShapeDtypeStruct(tuple(codes.shape), jnp.float16, plgpu.Layout.WGMMA)

@@ -11,8 +11,8 @@ from pallas_kernels.common import gpu_sm_count
 
 #: The (``cache_dtype``, layout) pairs whose decode batches ``auto`` gives the decode kernel;
 #: the Triton decode kernel runs the others (`mgpu-decode-rule`: the decode kernel is faster
-#: at every measured shape only on fp8 per token-head NHD; on nvfp4 it takes 1.5-1.9x the Triton
-#: kernel's time).
+#: at every measured shape only on fp8 per token-head NHD; on nvfp4 it takes 1.5-1.9x the
+#: Triton kernel's time).
 AUTO_DECODE = frozenset({("fp8_per_token_head", "NHD")})
 
 #: Key steps of 64 per softmax update of the decode kernel (1 or 2; formats whose view rows
