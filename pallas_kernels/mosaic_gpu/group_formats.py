@@ -36,6 +36,7 @@ from typing import ClassVar, NamedTuple, Optional
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import quant
 from pallas_kernels.mosaic_gpu import nibbles
 from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
 from pallas_kernels.mosaic_gpu.formats import Operands, even_odd, from_even_odd
@@ -43,7 +44,6 @@ from pallas_kernels.mosaic_gpu.formats import Operands, even_odd, from_even_odd
 #: Tokens whose scales share a row of the cache view (``W / S``).
 TOKENS_PER_SCALE_ROW = 8
 _E4M3_BIAS_SHIFT = np.float32(2.0 ** 120)    # float32 bias 127 - e4m3 bias 7
-_E2M1_SHIFT = 16384.0                         # float16 bias 15 - e2m1 bias 1
 
 
 def _mgpu():
@@ -59,18 +59,6 @@ def e4m3_bits_to_f32(b):
   lax, _, _, _ = _mgpu()
   bits = lax.shift_left(b & 0x7F, 20) | lax.shift_left(b & 0x80, 24)
   return lax.bitcast_convert_type(bits, jnp.float32) * _E4M3_BIAS_SHIFT
-
-
-def _e2m1_halves_from_bits(w):
-  """uint8 bytes of e2m1 code pairs -> (low, high) codes' float16 values: each code's 3
-  magnitude bits at float16 bits 9-11 and its sign at bit 15 read ``value * 2**-14``
-  (:func:`kvjax.quant.e2m1_pair_to_f16`), times ``2**14`` (exact)."""
-  lax, _, _, _ = _mgpu()
-  w = w.astype(jnp.uint16)
-  u16 = lambda v: jnp.uint16(v)   # noqa: E731
-  bits = ((lax.shift_left(w & u16(0x07), u16(9)) | lax.shift_left(w & u16(0x08), u16(12))),
-          (lax.shift_left(w & u16(0x70), u16(5)) | lax.shift_left(w & u16(0x80), u16(8))))
-  return [lax.bitcast_convert_type(b, jnp.float16) * jnp.float16(_E2M1_SHIFT) for b in bits]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +141,7 @@ class Nvfp4Operands(Operands):
     if self.ptx:
       halves = nibbles.to_f16_halves(w, nibbles.E2M1_PTX)
     else:
-      halves = [plgpu.layout_cast(v, wgmma) for v in _e2m1_halves_from_bits(w)]
+      halves = [plgpu.layout_cast(v, wgmma) for v in quant.e2m1_pair_to_f16(w)]
     return jnp.concatenate([v * scale for v in halves], axis=1).astype(self.compute)
 
   def step_slot(self, land, slot, interpret: bool):
