@@ -126,16 +126,19 @@ def test_ptx_splits_both_words_of_a_register(code):
                                     np.asarray(w, np.float16).view(np.uint16))
 
 
-def test_mosaic_gpu_e2m1_ptx_decodes_every_byte_pair():
-  """The Mosaic GPU kernels' e2m1 conversion (pallas_kernels.mosaic_gpu.nibbles): every two
+@pytest.mark.parametrize("code", ["e2m1", "int4"])
+def test_mosaic_gpu_nibble_ptx_decodes_every_byte_pair(code):
+  """The Mosaic GPU kernels' nibble conversions (pallas_kernels.mosaic_gpu.nibbles): every two
   bytes (the register's high half random) -> the float16x2 of their low nibbles and of their
-  high nibbles, bit for bit (signs of zero included)."""
+  high nibbles, bit for bit (signs of zero included); int4's high nibbles read 16 n."""
   from pallas_kernels.mosaic_gpu import nibbles
+  ptx, table, high_factor = {"e2m1": (nibbles.E2M1_PTX, E2M1, 1),
+                             "int4": (nibbles.INT4_PTX, np.arange(16, dtype=np.float32), 16)}[code]
   high = np.random.default_rng(1).integers(0, 1 << 16, WORDS.size, dtype=np.uint32)
   reg = WORDS.astype(np.uint32) | (high << np.uint32(16))
-  lo, hi = _run(nibbles.E2M1_PTX, reg, outputs=("$0", "$1"), input_name="$2")
-  for got, shift in ((lo, 0), (hi, 4)):
-    want = np.stack([E2M1[(WORDS >> (8 * b + shift)) & 0xF] for b in range(2)], -1)
+  lo, hi = _run(ptx, reg, outputs=("$0", "$1"), input_name="$2")
+  for got, shift, factor in ((lo, 0, 1), (hi, 4, high_factor)):
+    want = np.stack([table[(WORDS >> (8 * b + shift)) & 0xF] for b in range(2)], -1) * factor
     got = got.view("<f2").reshape(-1, 2).astype(np.float32)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

@@ -12,6 +12,10 @@ their instructions.
   nibbles 1 and 3 hold the two codes' magnitude bits (nibbles 0 and 2 pick the table's zero
   byte). A second ``prmt`` moves the two codes' sign bits under bits 15 and 31, and one
   ``lop3`` merges them in (-0 included).
+* int4 (:data:`INT4_PTX`, 5 instructions): one ``prmt`` puts each byte under the float16
+  exponent byte of 1024 (``0x64``: the byte is then the low 8 of the 10 mantissa bits), a mask
+  keeps one nibble (``1024 + n`` and ``1024 + 16 n``) and a ``sub.f16x2`` takes 1024 away: the
+  low nibble reads ``n``, the high one ``16 n``.
 """
 from __future__ import annotations
 
@@ -52,12 +56,24 @@ lop3.b32 $0, mag_lo, sgn_lo, 0x80008000, 0xF8;
 lop3.b32 $1, mag_hi, sgn_hi, 0x80008000, 0xF8;
 }}"""
 
+#: int4 (unsigned codes): ``$2`` as above -> ``$0``, the float16x2 ``(n_0, n_1)`` of the low
+#: nibbles, and ``$1``, ``(16 m_0, 16 m_1)`` of the high ones.
+INT4_PTX = """{
+.reg .b32 t, lo, hi, bias;
+prmt.b32 t, $2, 0x64, 0x4140;
+mov.b32 bias, 0x64006400;
+and.b32 lo, t, 0xFF0FFF0F;
+and.b32 hi, t, 0xFFF0FFF0;
+sub.rn.f16x2 $0, lo, bias;
+sub.rn.f16x2 $1, hi, bias;
+}"""
+
 
 def to_f16_halves(codes, ptx: str):
   """uint8 ``codes (T, W)`` in the ``WGMMA_UPCAST_2X`` layout (two codes a byte, low nibble
-  first) -> ``(low nibbles, high nibbles)`` by ``ptx`` (:data:`E2M1_PTX`), float16 ``(T, W)``
-  each in the WGMMA layout. The bytes move to the WGMMA layout first (one warp shuffle and
-  one byte permute per 4 bytes). Compiled kernels only."""
+  first) -> ``(low nibbles, high nibbles)`` by ``ptx`` (:data:`E2M1_PTX`, :data:`INT4_PTX`),
+  float16 ``(T, W)`` each in the WGMMA layout. The bytes move to the WGMMA layout first (one
+  warp shuffle and one byte permute per 4 bytes). Compiled kernels only."""
   import jax.numpy as jnp   # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu   # noqa: PLC0415
   out = plgpu.ShapeDtypeStruct(tuple(codes.shape), jnp.float16, plgpu.Layout.WGMMA)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.common import compute_dtype
+from pallas_kernels.mosaic_gpu import nibbles
 from pallas_kernels.mosaic_gpu.formats import Fp8Operands, even_odd, from_even_odd
 
 #: Bytes a side row's copy moves besides its data: up to 12 before it (from the 16-byte
@@ -31,15 +32,15 @@ MAX_BOX = 256
 
 
 def code_compute(spec, q_dtype) -> np.dtype:
-  """The wgmma operand dtype of a row-scaled format: integer codes (int8, int4) read with
-  bfloat16 queries compute in bfloat16, where Mosaic GPU turns signed bytes into values with
-  byte permutes and one bfloat16x2 subtraction per two values (to float16 it takes one
-  conversion per value, at a quarter of the ALU rate); every code the hooks convert is exact
-  in both. Otherwise the rule of every GPU kernel (:func:`pallas_kernels.common.compute_dtype`).
-  """
+  """The wgmma operand dtype of a row-scaled format: int8 codes read with bfloat16 queries
+  compute in bfloat16, where Mosaic GPU turns signed bytes into values with byte permutes and
+  one bfloat16x2 subtraction per two values (to float16 it takes one conversion per value, at
+  a quarter of the ALU rate); every code is exact in both. Otherwise (int4 codes convert to
+  float16 by byte permutes, :mod:`.nibbles`) the rule of every GPU kernel
+  (:func:`pallas_kernels.common.compute_dtype`)."""
   quant = spec.codec.quant
-  codes = quant == "int4" if isinstance(quant, str) else np.dtype(quant).kind in "iu"
-  if codes and np.dtype(q_dtype) == np.dtype(jnp.bfloat16):
+  int8 = not isinstance(quant, str) and np.dtype(quant).kind in "iu"
+  if int8 and np.dtype(q_dtype) == np.dtype(jnp.bfloat16):
     return np.dtype(jnp.bfloat16)
   return compute_dtype(spec.codec, spec.storage_dtype, q_dtype)
 
@@ -108,17 +109,16 @@ class RowScaledOperands(Fp8Operands):
   @staticmethod
   def row_words(rows_ref):
     """int32 ``(T,)``: the 4 bytes of each key's scale (the layout of a WGMMA row
-    reduction). The 16 bytes ending in each row's scale go to registers; each thread puts
-    its bytes of the scale in place and the row's four are summed (disjoint bits)."""
-    lax, pl, plgpu, load_whole = _mgpu()
-    layout = plgpu.Layout.WGMMA
-    window = rows_ref.at[:, pl.ds(rows_ref.shape[1] - 16, 16)]
-    raw = load_whole(window, layout=layout, optimized=False)
-    byte = raw.astype(jnp.int32) & 0xFF       # the byte, whether int8 or uint8 is stored
-    cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (rows_ref.shape[0], 16), 1),
-                             layout)
-    word = jnp.where(cols >= 12, lax.shift_left(byte, jnp.maximum(cols - 12, 0) * 8), 0)
-    return word.sum(axis=1)
+    reduction), each byte loaded from its column and put in place."""
+    lax, _, plgpu, load_whole = _mgpu()
+    first = rows_ref.shape[1] - 4
+    word = None
+    for j in range(4):
+      col = load_whole(rows_ref.at[:, first + j], layout=plgpu.Layout.WGMMA.reduce(1),
+                       optimized=False)
+      byte = col.astype(jnp.int32) & 0xFF       # the byte, whether int8 or uint8 is stored
+      word = byte if word is None else word | lax.shift_left(byte, 8 * j)
+    return word
 
   def row_scales(self, rows_ref):
     """float32 ``(T,)`` scale of each key of a slot (WGMMA row-reduction layout)."""
@@ -141,18 +141,17 @@ class Int4Operands(RowScaledOperands):
   """int4 codes two a byte (low nibble: the even element), each side row ending in its
   scale with the zero point in its 4 low bits: value = ``(code - zp) * scale``.
 
-  The kernel computes in the order ``[even dims | odd dims]`` (:meth:`output` puts the dims
-  back). A byte's nibbles come out as signed bytes with one mask each and no shift (8-bit
-  registers take none): the low nibble as ``n``, the high one as ``16 n - 128`` (its top bit
-  flipped), both exact in the compute dtype and converted by :func:`code_compute`'s fast
-  path. So q's odd half comes divided by 16 (exact) and:
+  The kernel computes in float16 in the order ``[even dims | odd dims]`` (:meth:`output` puts
+  the dims back). A byte's nibbles come out without a shift: the low one as ``n``, the high
+  one as ``16 n`` (compiled: byte permutes, :mod:`.nibbles`), both exact. So q's odd half
+  comes divided by 16 (exact) and:
 
-  * scores: ``s_t = scale_t (S_t + c - zp_t sum(q))``, ``c = 8 sum(q_odd)`` and ``sum(q)``
-    the query's sums (once a call: :meth:`q_sums`);
-  * values: the even half of ``O^T`` loses ``sum_t zp_t w_t``, the odd half is divided by 16
-    and loses ``sum_t (zp_t - 8) w_t`` (per-thread sums carried through the key loop).
+  * scores: ``s_t = scale_t (S_t - zp_t sum(q))``, ``sum(q)`` each query's sum (once a call:
+    :meth:`q_sums`);
+  * values: ``O^T`` loses ``sum_t zp_t w_t`` (a per-thread sum carried through the key loop)
+    and its odd half is divided by 16.
   """
-  num_q_sums: ClassVar[int] = 2
+  num_q_sums: ClassVar[int] = 1
   reorders_dims: ClassVar[bool] = True
 
   @classmethod
@@ -171,25 +170,23 @@ class Int4Operands(RowScaledOperands):
     return even_odd(super().q_operand(q), 1 / 16)
 
   def q_sums(self, q_op):
-    """float32 ``[..., 2, Hq]``: of each query (:meth:`q_operand`'s rows), its sum and the
-    score's offset ``c`` (``8 sum(q_odd)``: the high nibbles read as ``16 n - 128``)."""
+    """float32 ``[..., 1, Hq]``: each query's sum (of :meth:`q_operand`'s rows, the odd half
+    times 16)."""
     x = q_op.astype(jnp.float32)
     half = x.shape[-1] // 2
-    odd = x[..., half:].sum(-1)
-    return jnp.stack([x[..., :half].sum(-1) + 16 * odd, 128 * odd], axis=-2)
+    return (x[..., :half].sum(-1) + 16 * x[..., half:].sum(-1))[..., None, :]
 
   def output(self, out):
     return from_even_odd(out)
 
   def _codes(self, rows_ref):
-    """A slot's ``(n_low, 16 n_high - 128)``, ``(T, D / 2)`` each in the compute dtype."""
+    """A slot's ``(n_low, 16 n_high)``, float16 ``(T, D / 2)`` each in the WGMMA layout."""
     _, _, plgpu, load_whole = _mgpu()
     x = load_whole(self._data(rows_ref), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-    halves = (x & jnp.uint8(0x0F), (x & jnp.uint8(0xF0)) ^ jnp.uint8(0x80))
-    # uint8 -> int8 relabels the bytes (0..15, and 16 n - 128 wrapped): a bitcast would not
-    # (Mosaic GPU keeps a bitcast's source signedness between int8 and uint8).
-    return tuple(plgpu.layout_cast(h.astype(jnp.int8).astype(self.compute),
-                                   plgpu.Layout.WGMMA) for h in halves)
+    if self.ptx:
+      return nibbles.to_f16_halves(x, nibbles.INT4_PTX)
+    return tuple(plgpu.layout_cast((x & jnp.uint8(m)).astype(jnp.float16), plgpu.Layout.WGMMA)
+                 for m in (0x0F, 0xF0))
 
   def score_operands(self, slot_ref, q_smem):
     _, pl, _, _ = _mgpu()
@@ -208,15 +205,13 @@ class Int4Operands(RowScaledOperands):
     lax, _, _, _ = _mgpu()
     scale, zero = self._scale_and_zero(slot_ref)
     rows = lambda x: lax.broadcast_in_dim(x, sc.shape, [0])
-    cols = lambda x: lax.broadcast_in_dim(x, sc.shape, [1])
-    q_sum, offset = q_sums
-    return (sc + cols(offset) - rows(zero) * cols(q_sum)) * rows(scale * factor)
+    (q_sum,) = q_sums
+    return (sc - rows(zero) * lax.broadcast_in_dim(q_sum, sc.shape, [1])) * rows(scale * factor)
 
   def value_state(self, shape):
-    """``(sum_t zp_t w_t, sum_t w_t)`` per thread, float32 ``(T, 16)`` each."""
+    """``sum_t zp_t w_t`` per thread, float32 ``(T, 16)``."""
     _, _, plgpu, _ = _mgpu()
-    zeros = lambda: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    return zeros(), zeros()
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
   def value_weights(self, p, slot_ref, visible, alpha, state):
     lax, _, _, _ = _mgpu()
@@ -224,18 +219,16 @@ class Int4Operands(RowScaledOperands):
     rows = lambda x: lax.broadcast_in_dim(x, p.shape, [0])
     w = jnp.where(visible, p * rows(scale), 0.0)
     w = w.astype(self.compute).astype(jnp.float32)     # as the V product reads them
-    zw, ws = state
     if alpha is not None:
-      a = lax.broadcast_in_dim(alpha, p.shape, [1])
-      zw, ws = zw * a, ws * a
-    return w, (zw + w * rows(zero), ws + w)
+      state = state * lax.broadcast_in_dim(alpha, p.shape, [1])
+    return w, state + w * rows(zero)
 
   def finish_values(self, acc, state):
     lax, _, plgpu, _ = _mgpu()
     dims = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, acc.shape, 0), plgpu.Layout.WGMMA)
     odd = dims >= acc.shape[0] // 2
-    zw, ws = (lax.broadcast_in_dim(x.sum(axis=0), acc.shape, [1]) for x in state)
-    return jnp.where(odd, acc * (1 / 16) + 8 * ws, acc) - zw
+    zw = lax.broadcast_in_dim(state.sum(axis=0), acc.shape, [1])
+    return jnp.where(odd, acc * (1 / 16), acc) - zw
 
   def prepare_v(self, slot_ref, v_ref, keep_row, commit):
     """V's codes into the V buffer as ``[low | high]`` halves (codes are finite: hidden keys
