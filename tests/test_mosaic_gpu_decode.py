@@ -24,6 +24,7 @@ from kvjax.reference import unified_attention as ref_attention
 from kvjax.reference import write_kv
 from op_suite import COMPILED, mosaic_gpu_numerics
 from pallas_kernels.mosaic_gpu import attention as MA
+from pallas_kernels.mosaic_gpu import decode as MD
 from pallas_kernels.mosaic_gpu import decode_geometry as DG
 from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.decode import decode_reason, paged_decode_attention
@@ -52,15 +53,17 @@ def test_group_fits_the_query_columns_exactly_when_every_head_does(num_kv_heads)
 
 
 @pytest.mark.parametrize("finish", [False, True])
-@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8", "int8_per_token_head"])
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8", "int8_per_token_head", "nvfp4"])
 @pytest.mark.parametrize("head_size", [64, 128, 192, 256])
 def test_geometry_fits_the_most_blocks_then_slots(cache_dtype, head_size, finish):
-  spec = kvjax.KVCacheSpec(8, head_size, 16, cache_dtype, dtype=BF16)
+  layout = "HND" if cache_dtype == "nvfp4" else "NHD"      # nvfp4 has no NHD
+  spec = kvjax.KVCacheSpec(8, head_size, 16, cache_dtype, layout=layout, dtype=BF16)
   ops = ADAPTERS.hooks(spec.codec).of(spec, BF16)
-  geo = DG.choose_geometry(ops, 4, 16, head_size, finish=finish)
+  per_sm = MT.decode_blocks_per_sm(cache_dtype)
+  geo = DG.choose_geometry(ops, 4, 16, head_size, finish=finish, blocks_per_sm=per_sm)
   fits = lambda g, blocks: blocks * g.smem_bytes(ops, finish) <= DG.SMEM_BUDGET
   two = dataclasses.replace(geo, stages=2)
-  blocks = max(b for b in range(1, MT.DECODE_BLOCKS_PER_SM + 1) if fits(two, b))
+  blocks = max(b for b in range(1, per_sm + 1) if fits(two, b))
   assert geo.stages >= 2 and fits(geo, blocks)
   bigger = dataclasses.replace(geo, stages=geo.stages + 1)
   assert geo.stages == 8 or not fits(bigger, blocks)
@@ -83,17 +86,32 @@ def test_geometry_rejects_what_the_kernel_cannot_tile():
     assert n % geo.piece == 0 and geo.block_kv % geo.piece == 0 and geo.piece % 8 == 0
 
 
-def test_split_rule_fills_the_sms():
-  slots = MT.DECODE_BLOCKS_PER_SM * 132
-  assert DG.num_splits_for(slots // 4, 4, 64) == 1      # one full wave of blocks
-  assert DG.num_splits_for(slots // 4, 8, 16) == 1      # two full waves
+@pytest.mark.parametrize("per_sm", [2, 3])
+def test_split_rule_fills_the_sms(per_sm):
+  slots = per_sm * 132
+  splits = lambda seqs, heads, steps: DG.num_splits_for(seqs, heads, steps, 132, per_sm)
+  assert splits(slots // 4, 4, 64) == 1      # one full wave of blocks
+  assert splits(slots // 4, 8, 16) == 1      # two full waves
   for seqs, heads in ((8, 8), (16, 8), (1, 8), (3, 2), (100, 1)):
-    k = DG.num_splits_for(seqs, heads, 512)
+    k = splits(seqs, heads, 512)
     base = seqs * heads
     fill = base * k / (-(-base * k // slots) * slots)   # busy share of the waves
     assert fill >= 0.75 and k <= 64, (seqs, heads, k, fill)
-  assert DG.num_splits_for(1, 1, 7) == 1                # at least 4 steps a split
-  assert DG.num_splits_for(1, 1, 12) == 3
+  assert splits(1, 1, 7) == 1                # at least 4 steps a split
+  assert splits(1, 1, 12) == 3
+
+
+def test_formats_take_their_blocks_per_sm():
+  """nvfp4's statics are sized for its own blocks an SM, the others' for the default."""
+  for cache_dtype in ("bfloat16", "nvfp4")[:2 if JAX_VERSION >= (0, 11) else 1]:
+    spec = kvjax.KVCacheSpec(8, 128, 16, cache_dtype, layout="HND", dtype=BF16)
+    per_sm = MT.decode_blocks_per_sm(cache_dtype)
+    st = MD.decode_statics(spec, BF16, 24, 32, 24, 64, 256, num_sms=132)
+    ops = ADAPTERS.hooks(spec.codec).of(spec, BF16)
+    assert st.geo == DG.choose_geometry(ops, 4, 16, 128, finish=st.finish,
+                                        blocks_per_sm=per_sm)
+    assert st.num_splits == DG.num_splits_for(24, 8, 16, 132, per_sm)
+  assert MT.decode_blocks_per_sm("nvfp4") != MT.decode_blocks_per_sm("bfloat16")
 
 
 # -- which calls take it -----------------------------------------------------------------------

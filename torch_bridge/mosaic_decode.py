@@ -30,6 +30,7 @@ import torch
 from kvjax.spec import KVCacheSpec
 from pallas_kernels.mosaic_gpu import decode as MD
 from pallas_kernels.mosaic_gpu import decode_geometry as DG
+from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
 from torch_bridge import dtypes
 from torch_bridge import mosaic_launch as ML
@@ -98,7 +99,9 @@ class TorchDecode(ML.AttentionLaunch):
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     steps = -(-max_blocks * self.spec.block_size // DG.DecodeGeometry.block_kv)
     h = self.spec.num_kv_heads
-    splits = min(DG.num_splits_for(rows, h, steps, sms), max(1, steps // MIN_STEPS_PER_SPLIT))
+    blocks = MT.decode_blocks_per_sm(self.spec.cache_dtype)
+    splits = min(DG.num_splits_for(rows, h, steps, sms, blocks),
+                 max(1, steps // MIN_STEPS_PER_SPLIT))
     return MD.decode_statics(self.spec, q_dtype, rows, self.num_heads, num_seqs, max_blocks,
                              num_blocks, sliding_window=self.window, soft_cap=self.soft_cap,
                              sinks=self.sinks is not None, num_splits=splits, layered=layered)

@@ -69,12 +69,15 @@ def decode_statics(spec: KVCacheSpec, q_dtype, num_rows: int, num_heads: int,
   steps = cdiv(max_blocks * spec.block_size, DG.DecodeGeometry.block_kv)
   if num_splits is None and finish:
     num_splits = 1
-  splits = int(num_splits or DG.num_splits_for(num_rows, h, steps, num_sms or MT.num_sms()))
+  blocks_per_sm = MT.decode_blocks_per_sm(spec.cache_dtype)
+  splits = int(num_splits or DG.num_splits_for(num_rows, h, steps, num_sms or MT.num_sms(),
+                                               blocks_per_sm))
   finish = splits == 1 if finish is None else bool(finish)
   row_view = _row_view(spec) if ops.row_scaled else {}
   geo = geometry or DG.choose_geometry(
       ops, g, spec.block_size, spec.head_size, finish=finish,
-      round_steps=max(row_view.get("tokens_per_row", 1), MT.DECODE_ROUND_STEPS))
+      round_steps=max(row_view.get("tokens_per_row", 1), MT.DECODE_ROUND_STEPS),
+      blocks_per_sm=blocks_per_sm)
   if geo.smem_bytes(ops, finish) > DG.SMEM_BUDGET:
     raise ValueError(f"geometry {geo} needs {geo.smem_bytes(ops, finish)} bytes of shared "
                      f"memory; the budget is {DG.SMEM_BUDGET}")

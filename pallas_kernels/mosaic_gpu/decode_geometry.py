@@ -95,14 +95,14 @@ def group_reason(group: int, num_kv_heads: int, cols: int = 16) -> Optional[str]
 
 
 def choose_geometry(ops: Operands, group: int, block_size: int, head_size: int,
-                    max_stages: int = 8, finish: bool = False,
-                    round_steps: int = 1) -> DecodeGeometry:
-  """The most K/V slots (2 to ``max_stages``) with which :data:`.tuning.DECODE_BLOCKS_PER_SM`
-  blocks fit in an SM's shared memory (``finish``: :meth:`DecodeGeometry.smem_bytes`);
-  where two slots do not fit that many blocks, the most slots for the most blocks two slots
-  fit."""
+                    max_stages: int = 8, finish: bool = False, round_steps: int = 1,
+                    blocks_per_sm: int = MT.DECODE_BLOCKS_PER_SM) -> DecodeGeometry:
+  """The most K/V slots (2 to ``max_stages``) with which ``blocks_per_sm`` blocks
+  (:func:`.tuning.decode_blocks_per_sm`) fit in an SM's shared memory (``finish``:
+  :meth:`DecodeGeometry.smem_bytes`); where two slots do not fit that many blocks, the most
+  slots for the most blocks two slots fit."""
   two = DecodeGeometry(group, block_size, head_size, stages=2, round_steps=round_steps)
-  for blocks in range(MT.DECODE_BLOCKS_PER_SM, 0, -1):
+  for blocks in range(blocks_per_sm, 0, -1):
     if two.smem_bytes(ops, finish) * blocks > SMEM_BUDGET:
       continue
     best = two
@@ -115,14 +115,14 @@ def choose_geometry(ops: Operands, group: int, block_size: int, head_size: int,
   return two
 
 
-def num_splits_for(num_seqs: int, num_kv_heads: int, max_steps: int,
-                   num_sms: int = 132) -> int:
-  """Splits per (sequence, KV head), from static shapes: :data:`.tuning.DECODE_BLOCKS_PER_SM`
-  blocks per SM at a time, so pick the fewest splits whose waves of blocks come within 5 % of
-  the best fill of the GPU (a split is one more partial to merge), with at most 64 splits and
-  at least 4 key steps (of ``max_steps``) a split."""
+def num_splits_for(num_seqs: int, num_kv_heads: int, max_steps: int, num_sms: int = 132,
+                   blocks_per_sm: int = MT.DECODE_BLOCKS_PER_SM) -> int:
+  """Splits per (sequence, KV head), from static shapes: ``blocks_per_sm`` blocks per SM
+  at a time (:func:`.tuning.decode_blocks_per_sm`), so pick the fewest splits whose waves of
+  blocks come within 5 % of the best fill of the GPU (a split is one more partial to merge),
+  with at most 64 splits and at least 4 key steps (of ``max_steps``) a split."""
   base = max(1, num_seqs * num_kv_heads)
-  slots = MT.DECODE_BLOCKS_PER_SM * num_sms
+  slots = blocks_per_sm * num_sms
   cands = range(1, max(1, min(64, max_steps // 4)) + 1)
   cost = {k: cdiv(base * k, slots) / k for k in cands}
   best = min(cost.values())

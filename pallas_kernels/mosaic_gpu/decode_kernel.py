@@ -12,7 +12,7 @@ swizzle; so K/V land with the format's swizzle (plain caches: the widest their r
 converts there).
 
 One CUDA block of one warpgroup per (KV head, query row, split), up to
-:data:`.tuning.DECODE_BLOCKS_PER_SM` of them an SM (a warpgroup that only issued copies would
+:func:`.tuning.decode_blocks_per_sm` of them an SM (a warpgroup that only issued copies would
 hold as many registers as the one computing, and halve the blocks an SM's registers take).
 The block walks its split's key steps of T keys, each in one of ``stages`` shared-memory
 slots for K and for V:

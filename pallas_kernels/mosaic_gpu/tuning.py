@@ -11,7 +11,7 @@ from pallas_kernels.common import gpu_sm_count
 
 #: The (``cache_dtype``, layout) pairs whose decode batches ``auto`` gives the decode kernel;
 #: the Triton decode kernel runs the others (`mgpu-decode-rule`: the decode kernel is faster
-#: at every measured shape only on fp8 per token-head NHD; on nvfp4 it takes 1.5-1.9x the
+#: at every measured shape only on fp8 per token-head NHD; on nvfp4 it takes 1.3-1.5x the
 #: Triton kernel's time).
 AUTO_DECODE = frozenset({("fp8_per_token_head", "NHD")})
 
@@ -21,8 +21,19 @@ DECODE_ROUND_STEPS = 1
 
 #: Blocks of one warpgroup the decode kernel's shared memory is sized for on one SM, and
 #: its split rule fills (`mgpu-decode-blocks`: two, with more K/V slots each, beat three on
-#: every format; the row formats' registers allow no more than two).
+#: every format but nvfp4).
 DECODE_BLOCKS_PER_SM = 2
+
+#: Formats (``cache_dtype``) whose decode blocks are sized and counted otherwise
+#: (`mgpu-decode-blocks`: nvfp4 with 3 blocks an SM, fewer slots each, took 0.85-0.87x the
+#: time of 2).
+DECODE_BLOCKS_PER_SM_BY_FORMAT = {"nvfp4": 3}
+
+
+def decode_blocks_per_sm(cache_dtype: str) -> int:
+  """Blocks of the decode kernel an SM is sized for, for caches of ``cache_dtype``."""
+  return DECODE_BLOCKS_PER_SM_BY_FORMAT.get(cache_dtype, DECODE_BLOCKS_PER_SM)
+
 
 #: ``auto`` takes the ragged kernel for batches whose static ``max_query_len`` is at least
 #: this (`mgpu-ragged-rule`: faster than the Triton kernels from query chunks of 128 tokens
