@@ -11,7 +11,6 @@ from typing import Optional
 import numpy as np
 
 from pallas_kernels.common import cdiv
-from pallas_kernels.mosaic_gpu import tuning as MT
 from pallas_kernels.mosaic_gpu.formats import Operands
 from pallas_kernels.mosaic_gpu.tiles import SMEM_BUDGET, copy_piece
 
@@ -95,8 +94,8 @@ def group_reason(group: int, num_kv_heads: int, cols: int = 16) -> Optional[str]
 
 
 def choose_geometry(ops: Operands, group: int, block_size: int, head_size: int,
-                    max_stages: int = 8, finish: bool = False, round_steps: int = 1,
-                    blocks_per_sm: int = MT.DECODE_BLOCKS_PER_SM) -> DecodeGeometry:
+                    max_stages: int = 8, finish: bool = False, round_steps: int = 1, *,
+                    blocks_per_sm: int) -> DecodeGeometry:
   """The most K/V slots (2 to ``max_stages``) with which ``blocks_per_sm`` blocks
   (:func:`.tuning.decode_blocks_per_sm`) fit in an SM's shared memory (``finish``:
   :meth:`DecodeGeometry.smem_bytes`); where two slots do not fit that many blocks, the most
@@ -115,8 +114,8 @@ def choose_geometry(ops: Operands, group: int, block_size: int, head_size: int,
   return two
 
 
-def num_splits_for(num_seqs: int, num_kv_heads: int, max_steps: int, num_sms: int = 132,
-                   blocks_per_sm: int = MT.DECODE_BLOCKS_PER_SM) -> int:
+def num_splits_for(num_seqs: int, num_kv_heads: int, max_steps: int, num_sms: int,
+                   blocks_per_sm: int) -> int:
   """Splits per (sequence, KV head), from static shapes: ``blocks_per_sm`` blocks per SM
   at a time (:func:`.tuning.decode_blocks_per_sm`), so pick the fewest splits whose waves of
   blocks come within 5 % of the best fill of the GPU (a split is one more partial to merge),
