@@ -3,6 +3,7 @@
 GPU (H200):  PYTHONUNBUFFERED=1 python benchmarks/bench_decode.py [--json PATH]
              [--shapes 64x4096,...] [--formats bfloat16,fp8,...] [--kernels triton,mosaic_gpu]
              [--no-vllm] [--no-peers] [--no-checks] [--check-kernels triton]
+Saved runs:  python benchmarks/bench_decode.py --summarize RUN.json [MORE.json ...]
 CPU smoke:   python benchmarks/bench_decode.py --smoke
 
 Kernels (``--kernels``): ``triton`` (``pallas_kernels.triton.decode``, every format) and
@@ -19,7 +20,8 @@ In one run:
      split-KV paths; once per problem) where vLLM has the format and its kernels are found
      (``vllm_peer.py``);
   3. peers on bf16: JAX's built-in Pallas ``paged_attention`` (its own [H, pages, N, D] K and V
-     arrays) and torch SDPA on dense KV (GQA through enable_gqa);
+     arrays) and torch SDPA on dense KV (GQA through enable_gqa); the JSON is written after
+     each shape's rows and peers, so a run cut short keeps what it measured;
   4. the per-format summary (:func:`summary`): each kernel's tokens/s vs its bf16 cache,
      vLLM's, the second kernel's time over the first's, and each bf16 kernel vs torch SDPA,
      ranges over the shapes;
@@ -52,6 +54,7 @@ from kvjax.reference import unified_attention as ref_attention  # noqa: E402
 from benchmarks import common  # noqa: E402
 from pallas_kernels.triton.decode import paged_decode_attention  # noqa: E402
 from benchmarks import vllm_peer  # noqa: E402
+from benchmarks.decode_tables import markdown, summarize, summary  # noqa: E402
 from pallas_kernels.triton.decode_config import DEFAULT_CONFIG, DecodeConfig  # noqa: E402
 
 KERNELS = ("triton", "mosaic_gpu")
@@ -241,6 +244,20 @@ def time_torch_sdpa(batch, ctx, h=H, d=D):
   return ms
 
 
+def peer_rows(batch, ctx, interpret, geo):
+  """The bf16 peers at one shape: JAX's built-in Pallas op and torch SDPA on dense KV."""
+  out = []
+  size = dict(h=geo.get("h", H), d=geo.get("d", D))
+  try:
+    ms = time_jax_builtin(batch, ctx, interpret=interpret, **geo)
+    out.append(row("jax_builtin", "bfloat16", "HPND", batch, ctx, ms, 2, **size))
+  except Exception as e:  # noqa: BLE001 - report and go on
+    print(f"  jax_builtin failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+  ms = time_torch_sdpa(batch, ctx, **size)
+  out.append(row("torch_sdpa", "bfloat16", "dense", batch, ctx, ms, 2, **size))
+  return out
+
+
 def row(kernel, cache_dtype, layout, batch, ctx, ms, itemsize, config=None, h=H, d=D):
   r = {"kernel": kernel, "cache_dtype": cache_dtype, "layout": layout, "batch": batch,
        "context": ctx, "ms": round(ms, 4),
@@ -308,70 +325,6 @@ def format_table(shapes, formats, interpret, geo, use_vllm, kernels=("triton",))
   return rows
 
 
-def markdown(rows):
-  """The per-format table as markdown (what RESULTS.md quotes)."""
-  out = ["| batch x ctx | format | layout | kernel | µs | tokens/s vs bf16 | TB/s (own bytes) | "
-         "bytes vs bf16 | vLLM 0.28 µs |", "|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    out.append(f"| {r['batch']}x{r['context']} | {r['cache_dtype']} | {r['layout']} | "
-               f"{r['kernel']} | {r['us']} | {r.get('x_bf16', '-')} | {r['tb_per_s']} | "
-               f"{r['bytes_vs_bf16']} | {r.get('vllm_us', '-')} |")
-  return "\n".join(out)
-
-
-def _span(values, fmt="{:.2f}"):
-  """``lo–hi`` of values (one value: itself), or ``-``."""
-  if not values:
-    return "-"
-  lo, hi = min(values), max(values)
-  return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}–{fmt.format(hi)}"
-
-
-def summary(rows, peers, kernels):
-  """The per-format table (markdown): bytes vs bf16, the ideal speedup, and for each kernel
-  its tokens/s vs its bf16 cache over the shapes (NHD / HND ranges); vLLM's tokens/s vs the
-  same bf16 baseline; each further kernel's time over the first kernel's at the same shape
-  and layout; a last row with each bf16 kernel's tokens/s vs torch SDPA on dense KV at the
-  same shapes."""
-  formats = list(dict.fromkeys(r["cache_dtype"] for r in rows))
-  others = tuple(kernels[1:])
-  head = (["format", "bytes vs bf16", "ideal"] + [f"{k} NHD / HND" for k in kernels]
-          + ["vLLM 0.28 NHD / HND"] + [f"{k} time / {kernels[0]}'s" for k in others])
-  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for fmt in formats:
-    mine = [r for r in rows if r["cache_dtype"] == fmt]
-    ratio = mine[0]["bytes_vs_bf16"]
-    cells = [fmt, f"{ratio:.3f}", f"{1 / ratio:.2f}"]
-    columns = ([("x_bf16", k) for k in kernels] + [("vllm", "vllm")]
-               + [("time", k) for k in others])
-    for what, k in columns:
-      parts = []
-      for layout in ("NHD", "HND"):
-        sel = [r for r in mine if r["layout"] == layout and
-               (r["kernel"] == k if what != "vllm" else "vllm_us" in r)]
-        if what == "vllm":   # vs the first kernel's bf16 row of the same shape and layout
-          vals = [r["us"] / r["vllm_us"] * r.get("x_bf16", 1) for r in sel]
-        elif what == "time":   # over the first kernel's time at the same shape and layout
-          first = {(r["batch"], r["context"]): r["us"] for r in mine
-                   if r["layout"] == layout and r["kernel"] == kernels[0]}
-          vals = [r["us"] / first[(r["batch"], r["context"])] for r in sel
-                  if (r["batch"], r["context"]) in first]
-        else:
-          vals = [r["x_bf16"] for r in sel if "x_bf16" in r]
-        parts.append(_span(vals))
-      cells.append(" / ".join(parts))
-    out.append("| " + " | ".join(cells) + " |")
-  sdpa = {(p["batch"], p["context"]): p["ms"] for p in peers if p["kernel"] == "torch_sdpa"}
-  cells = ["bf16 vs torch SDPA (dense)", "-", "-"]
-  for k in kernels:
-    vals = [sdpa[(r["batch"], r["context"])] * 1e3 / r["us"] for r in rows
-            if r["kernel"] == k and r["cache_dtype"] == "bfloat16"
-            and (r["batch"], r["context"]) in sdpa]
-    cells.append(_span(vals))
-  out.append("| " + " | ".join(cells + ["-"] * (1 + len(others))) + " |")
-  return "\n".join(out)
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--smoke", action="store_true", help="tiny CPU run (interpret mode)")
@@ -386,7 +339,12 @@ def main():
                   help=f"comma-separated decode kernels among {KERNELS} (default: both)")
   ap.add_argument("--check-kernels", default=None,
                   help="kernels whose correctness checks run (default: --kernels)")
+  ap.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
+                  help="print the tables of saved runs (rows and peers merged) and exit")
   args = ap.parse_args()
+  if args.summarize:
+    summarize(args.summarize)
+    return
   kernels = tuple(k for k in args.kernels.split(",") if k)
   check_kernels = (kernels if args.check_kernels is None
                    else tuple(k for k in args.check_kernels.split(",") if k))
@@ -425,39 +383,35 @@ def main():
       print(f"== mosaic_gpu kernel skipped: {why}", flush=True)
       kernels = tuple(k for k in kernels if k != "mosaic_gpu")
       check_kernels = tuple(k for k in check_kernels if k != "mosaic_gpu")
-  rows = format_table(shapes, formats, interpret, geo, use_vllm, kernels)
-  peers = []
-  if not args.no_peers:
-    print("== peers (bf16): JAX's built-in Pallas paged_attention, torch SDPA on dense KV",
-          flush=True)
-    for batch, ctx in shapes:
-      try:
-        ms = time_jax_builtin(batch, ctx, interpret=interpret, **geo)
-        peers.append(row("jax_builtin", "bfloat16", "HPND", batch, ctx, ms, 2,
-                         h=geo.get("h", H), d=geo.get("d", D)))
-      except Exception as e:  # noqa: BLE001
-        print(f"  jax_builtin failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-      gt = {k: v for k, v in geo.items() if k in ("h", "d")}
-      ms = time_torch_sdpa(batch, ctx, **gt)
-      peers.append(row("torch_sdpa", "bfloat16", "dense", batch, ctx, ms, 2, h=geo.get("h", H),
-                       d=geo.get("d", D)))
+  result = dict(info, copy_tb_s=round(copy, 3), rows=[], peers=[], checks=[], chain=CHAIN,
+                bytes_counted="batch * context * page_bytes / block_size (data and scales)")
 
-  checks = []
+  def save():   # after every shape too: a time limit keeps what was measured
+    if json_path:
+      with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+  rows, peers = result["rows"], result["peers"]
+  for batch, ctx in shapes:   # the table's rows and the bf16 peers of each shape, then saved
+    rows += format_table(((batch, ctx),), formats, interpret, geo, use_vllm, kernels)
+    if not args.no_peers:
+      print("  peers (bf16): JAX's built-in Pallas paged_attention, torch SDPA on dense KV",
+            flush=True)
+      peers += peer_rows(batch, ctx, interpret, geo)
+    save()
+  save()
+  checks = result["checks"]
   if not args.no_checks:
     print("== compiled correctness vs reference (kernel on a poisoned cache)", flush=True)
-    checks = []
     for kernel in check_kernels:
       checks += run_checks(rng, interpret, CHECKS[:2] if smoke else CHECKS,
                            lens=(1, 20, 0) if smoke else (1, 37, 300, 0, 64), kernel=kernel)
 
-  result = dict(info, copy_tb_s=round(copy, 3), rows=rows, peers=peers, checks=checks, chain=CHAIN,
-                bytes_counted="batch * context * page_bytes / block_size (data and scales)")
   print(markdown(rows), flush=True)
   print("== per-format summary (tokens/s vs bf16 of the same kernel and layout)", flush=True)
   print(summary(rows, peers, kernels), flush=True)
+  save()
   if json_path:
-    with open(json_path, "w") as f:
-      json.dump(result, f, indent=1)
     print(f"wrote {json_path}", flush=True)
   if any(not c["ok"] for c in checks):
     print("SOME CHECKS FAILED", flush=True)

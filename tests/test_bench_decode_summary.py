@@ -1,5 +1,5 @@
-"""benchmarks/bench_decode.py's per-format summary on hand-made rows of two kernels."""
-from benchmarks import bench_decode as B
+"""benchmarks/decode_tables.py's per-format summary on hand-made rows of two kernels."""
+from benchmarks import decode_tables as B
 
 
 def _rows():
