@@ -99,9 +99,10 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
   when closed over inside ``jax.jit``); traced metadata outside the contract is clamped by
   the rules of :mod:`kvjax.ragged_batch`. Works under ``jax.jit`` with every argument
   traced but ``spec``, the options and ``max_query_len``, with no host synchronization.
-  A format that stores rotated rows (int4 per token-head: ``spec.codec.rotation``) gets q
-  rotated and the softmax scale adjusted before the implementation runs, and its output
-  un-rotated after.
+  A format that stores rotated rows (int4 per token-head: ``spec.codec.rotation``) gets the
+  softmax scale adjusted, and q rotated before the implementation runs and its output
+  un-rotated after, unless the implementation does both itself (registered with
+  ``model_frame``: the Mosaic GPU kernels).
 
   Two sequences: four new tokens on a 12-token prefix (page 1) and a decode of a 3-token
   history (page 2); equal logits, so each query averages the V of the positions it sees:
@@ -140,9 +141,11 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
     pages, table = cache, block_table
     if stack is not None:
       pages, table = stack.attention_operands(cache, spec, block_table, run.impl.xla)
-    return run(rot.rotate_q(q), pages, spec, query_start_loc=query_start_loc,
-               seq_lens=seq_lens, block_table=table,
-               scale=rot.softmax_scale(scale, spec.head_size), causal=causal,
-               sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-               k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len)
-  return rot.unrotate_out(routes.run(attend))
+    inside = run.impl.model_frame            # the implementation applies the rotation
+    out = run(q if inside else rot.rotate_q(q), pages, spec, query_start_loc=query_start_loc,
+              seq_lens=seq_lens, block_table=table,
+              scale=rot.softmax_scale(scale, spec.head_size), causal=causal,
+              sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+              k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len)
+    return out if inside else rot.unrotate_out(out)
+  return routes.run(attend)

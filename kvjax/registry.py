@@ -144,6 +144,10 @@ class Implementation:
     xla: made of plain XLA ops (jnp), not an opaque kernel call: a slice of its inputs
       fuses into its ops instead of being copied (what lets it read an HND layered cache,
       :mod:`kvjax.layers`).
+    model_frame: an attention implementation that takes q and gives its output in the
+      model's frame, applying the format's rotation (``spec.codec.rotation``) itself; the
+      others get q rotated and have their output un-rotated by the op
+      (:func:`kvjax.unified_attention`).
   """
   name: str
   entry: Target
@@ -152,6 +156,7 @@ class Implementation:
   interpretable: bool
   prefer: Optional[Target] = None
   xla: bool = False
+  model_frame: bool = False
 
   @property
   def fn(self) -> Callable:
@@ -241,15 +246,17 @@ class Registry:
 
   def register(self, name: str, entry: Target, *, supports: Optional[Target] = None,
                platforms=PLATFORMS, interpretable: bool = False, xla: bool = False,
-               before: Optional[str] = None, prefer: Optional[Target] = None) -> Implementation:
+               before: Optional[str] = None, prefer: Optional[Target] = None,
+               model_frame: bool = False) -> Implementation:
     """Add an implementation (last, or just before the one named ``before``); ``prefer``:
-    its auto rule (module docstring)."""
+    its auto rule (module docstring); the other flags: :class:`Implementation`."""
     bad = [p for p in platforms if p not in PLATFORMS]
     if bad:
       raise ValueError(f"platforms must be among {PLATFORMS}, got {bad}")
     if name in self.names() or name == "auto":
       raise ValueError(f"{self.op}: implementation {name!r} is already registered")
-    impl = Implementation(name, entry, supports, tuple(platforms), interpretable, prefer, xla)
+    impl = Implementation(name, entry, supports, tuple(platforms), interpretable, prefer, xla,
+                          model_frame)
     pos = len(self._impls) if before is None else self.names().index(self.get(before).name)
     self._impls.insert(pos, impl)
     return impl
@@ -405,7 +412,8 @@ PAGES.register("pallas", f"{_TRITON}.page_copy:store_pages",
 # (pallas_kernels.mosaic_gpu.attention.prefer_attention) says it is faster.
 ATTENTION.register("mosaic_gpu", "pallas_kernels.mosaic_gpu:unified_attention",
                    supports="pallas_kernels.mosaic_gpu:supports_attention", platforms=("gpu",),
-                   prefer="pallas_kernels.mosaic_gpu:prefer_attention", before="pallas")
+                   prefer="pallas_kernels.mosaic_gpu:prefer_attention", before="pallas",
+                   model_frame=True)
 WRITE.register("mosaic_tpu", "pallas_kernels.mosaic_tpu:write_kv",
                supports="pallas_kernels.mosaic_tpu:supports_write", platforms=("tpu",),
                interpretable=True)

@@ -147,6 +147,14 @@ class Rotation:
     """:meth:`unrotate` for attention's outputs (as :meth:`rotate_q`)."""
     return self.unrotate(y)
 
+  def products(self, head_size: int):
+    """What a kernel needs to apply :meth:`rotate_q` and :meth:`unrotate_out` itself, as
+    matrix products: ``(rt, factor)`` with ``rotate_q(q) == dtype(q @ rt.T)`` and
+    ``unrotate_out(y) == dtype((y @ rt) * factor)``, ``rt`` float32 ``[D, D]`` of entries exact
+    in 16 bits, products accumulated in float32; None for the identity (nothing to apply)."""
+    del head_size
+    return None
+
 
 @dataclasses.dataclass(frozen=True)
 class HadamardRotation(Rotation):
@@ -172,12 +180,19 @@ class HadamardRotation(Rotation):
     """``rotate`` as one product with the ±1 matrix of the transform (its entries and every
     product with a 16-bit q are exact; the float32 sum runs in the tensor cores' order, not
     the butterflies'): one pass over ``[T, Hq, D]`` instead of log2(D)."""
-    return _times_matrix(q, rht_matrix(q.shape[-1]))
+    rt, _ = self.products(q.shape[-1])
+    return _times_matrix(q, rt.T)
 
   def unrotate_out(self, y):
     """``unrotate`` as one product (as :meth:`rotate_q`), divided by D in float32 after it
     (exact: a power of two)."""
-    return _times_matrix(y, rht_matrix(y.shape[-1], inverse=True), 1.0 / y.shape[-1])
+    rt, factor = self.products(y.shape[-1])
+    return _times_matrix(y, rt, factor)
+
+  def products(self, head_size: int):
+    """``(rht_matrix(D, inverse=True), 1 / D)``: the inverse transform's ±1 matrix is the
+    forward one's transpose."""
+    return rht_matrix(head_size, inverse=True), 1.0 / head_size
 
 
 NO_ROTATION = Rotation()

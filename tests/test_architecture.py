@@ -157,3 +157,34 @@ def test_no_library_file_over_450_lines(package):
   long = [f"{p.relative_to(ROOT)}: {n}" for p in (ROOT / package).rglob("*.py")
           if (n := len(p.read_text().splitlines())) > 450]
   assert long == []
+
+
+_IMPORT_UNDER_TRACE = """
+import importlib, sys, jax
+failed = []
+def body(x):
+  for name in sys.argv[1:]:
+    try:
+      importlib.import_module(name)
+    except ImportError:          # a backend this machine lacks (torch, Mosaic GPU)
+      pass
+    except Exception as e:       # noqa: BLE001
+      failed.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+  return x
+jax.jit(body)(1.0)
+print("\\n".join(failed))
+"""
+
+
+def test_every_module_imports_first_under_a_jit_trace():
+  """The registry imports a backend when a call first needs it, often while a jitted step is
+  traced: module-level values made with jnp must be computed eagerly
+  (``jax.ensure_compile_time_eval``), not traced. A fresh process imports every library
+  module for the first time inside ``jax.jit``."""
+  import subprocess
+  import sys
+  names = [n for p in ("kvjax", "pallas_kernels") for n in _modules(p)]
+  done = subprocess.run([sys.executable, "-c", _IMPORT_UNDER_TRACE, *names], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == "", done.stdout

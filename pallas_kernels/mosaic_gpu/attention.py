@@ -55,12 +55,16 @@ def prefer_attention(spec, q_dtype, call):
 def unified_attention(q, cache, spec, *, query_start_loc, seq_lens, block_table, scale,
                       causal=True, sliding_window=None, soft_cap=None, sinks=None, k_scale=None,
                       v_scale=None, max_query_len=None):
-  """Mosaic GPU paged attention. Arguments as :func:`kvjax.unified_attention` (validated)."""
+  """Mosaic GPU paged attention. Arguments as :func:`kvjax.unified_attention` (validated),
+  q and the output in the model's frame (registered with ``model_frame``): the ragged
+  kernel applies a rotated format's rotation itself, the decode kernel's small q and output
+  go through the rotation's ops; ``scale`` is the stored frame's."""
   kwargs = dict(seq_lens=seq_lens, block_table=block_table, scale=scale,
                 sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
                 v_scale=v_scale, query_start_loc=query_start_loc)
   if _decode_kernel_reason(spec, q.dtype, q.shape[0], seq_lens.shape[0], q.shape[1],
                            max_query_len) is None:
-    return paged_decode_attention(q, cache, spec, **kwargs)   # one query at seq_len - 1
+    rot = spec.codec.rotation                  # one query at seq_len - 1
+    return rot.unrotate_out(paged_decode_attention(rot.rotate_q(q), cache, spec, **kwargs))
   return R.ragged_paged_attention(q, cache, spec, causal=causal, max_query_len=max_query_len,
-                                  **kwargs)
+                                  model_frame=True, **kwargs)

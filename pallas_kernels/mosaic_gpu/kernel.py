@@ -44,6 +44,13 @@ zeroed in shared memory before ``P V`` so that ``0 * NaN`` never happens. The ou
 through the output staging buffer (the one q is staged in when q has none of its own) and TMA
 stores of power-of-two row counts, so only the tile's real tokens are written (tiles of other
 sequences own the rest); the next item's q or output waits until the stores have read it.
+
+A rotated format (``st.rotation``: int4 per token-head, read through a plain copy in its
+stored frame) takes q and gives its output in the model's frame: the block copies the
+rotation's ``(D, D)`` matrix into shared memory once, each consumer multiplies its staged q
+rows by it (one wgmma, rounded to q's dtype in place) and its normalized output rows, rounded
+to q's dtype and passed through its q buffer, by the transpose
+(:func:`.ragged_parts.rotate_rows`, :func:`.ragged_parts.unrotate_rows`).
 """
 from __future__ import annotations
 
@@ -59,7 +66,8 @@ from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.compat import interpret_params, load_whole
 from pallas_kernels.mosaic_gpu.kernel_statics import (SWIZZLE_ELEMS as _SWIZZLE_ELEMS,
                                                       KernelStatics)
-from pallas_kernels.mosaic_gpu.ragged_parts import accumulate_pv, store_output
+from pallas_kernels.mosaic_gpu.ragged_parts import (accumulate_pv, rotate_rows, store_output,
+                                                    unrotate_rows)
 from pallas_kernels.mosaic_gpu.work_items import for_each_item as _for_each_item
 from pallas_kernels.mosaic_gpu.work_items import work_item as _work_item
 
@@ -83,10 +91,10 @@ def _kv_box(cache_ref, st: KernelStatics, blk, h, off, n, side):
   return cache_ref.at[blk, h, pl.ds(off, n), cols]
 
 
-def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scratch, *,
-            st: KernelStatics):
+def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, rt_ref, q_ref, cache_ref, o_ref, scratch,
+            *, st: KernelStatics):
   ((q_smem, o_smem, k_smem, v_smem, p_smem, qs_smem), q_bars, (k_bars, v_bars),
-   (k_free, v_free), sched_bar) = scratch
+   (k_free, v_free), sched_bar, (rt_smem, rt_bar)) = scratch
   geo = st.geo
   g_count, bq, bk, d = geo.group, geo.bq, geo.block_kv, st.head_size
   cast = plgpu.layout_cast
@@ -118,6 +126,11 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
 
     chunks = st.stage_chunks
     q_stage = o_smem if qs_smem is None else qs_smem      # where q lands before registers
+    if st.rotation:      # the rotation's matrix, once a block (both warpgroups read it)
+      @pl.when(wg == 0)
+      def _copy_matrix():
+        plgpu.copy_gmem_to_smem(rt_ref, rt_smem, rt_bar)
+      plgpu.barrier_wait(rt_bar)
 
     def copy_q(w_, t):
       """TMA copies of warpgroup w_'s q slabs of item t into its staging buffer (not tiled:
@@ -153,6 +166,8 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
           plgpu.barrier_wait(q_bars[w_])
           stage_to_q(w_)
           plgpu.commit_smem()    # generic-proxy stores visible to wgmma (async proxy)
+          if st.rotation:
+            rotate_rows(q_smem.at[w_], rt_smem, st.dtype)
       q_wg = q_smem.at[wg]
       q_pos = t.pos0 + lax.rem(row, bq)            # absolute position of each row's token
 
@@ -248,6 +263,8 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
 
       l_safe = jnp.where(l > 0, l, 1.0)
       out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      if st.rotation:
+        out = unrotate_rows(out, q_wg, rt_smem, st.dtype, st.out_factor)
       store_output(out, st.dtype, o_smem, o_ref, wg, geo, t.tok0, t.nq, h * g_count, chunks)
       # the next item writes the staging buffer (its q, or with q_own its output), so the
       # stores must have read it by then
@@ -308,14 +325,16 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref, o_ref, scr
 
 
 def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
-                          st: KernelStatics):
+                          st: KernelStatics, rt=None):
   """Launch the kernel.
 
   meta: int32 ``[META_ROWS, num_tiles]`` (:func:`tiles.tile_metadata`); block_table_flat:
   int32 ``[S * max_blocks]``; sinks: float32 ``[Hq]`` (ignored without sinks); scale: float32
   ``[1]``, the softmax scale when it is traced (``st.scale`` None; the kernel's operand only
   then), else None; q:
-  ``[T, Hq, D]``; cache: the physical cache. With ``st.interpret`` the kernel runs on CPU in
+  ``[T, Hq, D]``; cache: the physical cache; rt: with ``st.rotation``, the rotation's
+  ``(D, D)`` matrix in q's dtype (:meth:`kvjax.rotation.Rotation.products`; q is then in the
+  model's frame, and so is the output), else None. With ``st.interpret`` the kernel runs on CPU in
   Mosaic GPU interpret mode (warpgroups as threads, simulated TMA and barriers). Returns
   ``[T, Hq, D]`` in q's dtype.
   """
@@ -338,15 +357,24 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
           staging if st.staging == TL.STAGING_Q_OWN else None)
 
   sched_bar = plgpu.Barrier(num_arrivals=2) if st.ping_pong and geo.num_wgs == 2 else None
+  if st.rotation != (rt is not None):
+    raise ValueError(f"the rotation's matrix operand goes with st.rotation={st.rotation}")
+  rotation = ((_smem_tiled((d, d), st.dtype), plgpu.Barrier(num_arrivals=1)) if st.rotation
+              else (None, None))
 
   traced = st.scale is None     # the scale operand exists only then
+  extra = (scale,) if traced else ()
+  extra += (rt,) if st.rotation else ()
 
   def kvjax_mgpu_ragged(meta_ref, bt_ref, sinks_ref, *refs):
-    scale_ref, (q_ref, cache_ref, o_ref) = (refs[0], refs[1:]) if traced else (None, refs)
+    refs = list(refs)
+    scale_ref = refs.pop(0) if traced else None
+    rt_ref = refs.pop(0) if st.rotation else None
+    q_ref, cache_ref, o_ref = refs
     pl.run_scoped(
-        lambda *scratch: _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, q_ref, cache_ref,
-                                 o_ref, scratch, st=st),
-        smem, q_bars, (kv_bars, kv_bars), (free_bars, free_bars), sched_bar,
+        lambda *scratch: _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, rt_ref, q_ref,
+                                 cache_ref, o_ref, scratch, st=st),
+        smem, q_bars, (kv_bars, kv_bars), (free_bars, free_bars), sched_bar, rotation,
         collective_axes="wg")
 
   return plgpu.kernel(
@@ -359,4 +387,4 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
       interpret=interpret_params() if st.interpret else None,
       compiler_params=plgpu.CompilerParams(   # Lane semantics on every version: compat.py
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-  )(meta, block_table_flat, sinks, *((scale,) if traced else ()), q, cache)
+  )(meta, block_table_flat, sinks, *extra, q, cache)

@@ -35,6 +35,14 @@ class KernelStatics:
                                     # (tiles.STAGINGS, tiles.choose_staging)
   registers: Optional[tuple[int, int]] = None   # (consumer, producer) registers a thread
                                                 # after the split; None: default_registers
+  out_factor: Optional[float] = None  # with the rotation's matrix operand: the kernel
+                                      # rotates q and un-rotates its output (x this factor)
+                                      # itself (Rotation.products); None: no rotation
+
+  @property
+  def rotation(self) -> bool:
+    """Whether the kernel applies the cache format's rotation to q and its output."""
+    return self.out_factor is not None
 
   def __post_init__(self):
     if self.pv not in TL.PV_VARIANTS:

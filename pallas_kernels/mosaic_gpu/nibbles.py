@@ -19,6 +19,7 @@ their instructions.
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from kvjax import quant
@@ -27,7 +28,8 @@ from kvjax import quant
 def _table_words() -> tuple[int, int]:
   """The float16 high bytes of the 8 e2m1 magnitudes, as the two words ``prmt`` indexes
   (byte ``m`` of the pair: magnitude code ``m``)."""
-  values = np.asarray(quant.e2m1_decode(np.arange(8, dtype=np.uint8)), np.float16)
+  with jax.ensure_compile_time_eval():   # values now, also when first imported under a trace
+    values = np.asarray(quant.e2m1_decode(np.arange(8, dtype=np.uint8)), np.float16)
   bits = values.view(np.uint16).astype(np.uint32)
   assert not (bits & 0xFF).any(), "an e2m1 magnitude's float16 low byte is not zero"
   high = bits >> 8

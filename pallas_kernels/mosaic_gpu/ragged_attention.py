@@ -113,7 +113,7 @@ def prefer_attention(spec, q_dtype, call) -> str | None:
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
                            block_table, scale, causal=True, sliding_window=None, soft_cap=None,
                            sinks=None, k_scale=None, v_scale=None, max_query_len=None,
-                           interpret=False, pv=None):
+                           interpret=False, pv=None, model_frame=False):
   """Ragged paged attention; arguments as :func:`kvjax.reference.unified_attention`.
 
   Args:
@@ -130,6 +130,12 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     interpret: run in Mosaic GPU interpret mode on CPU (jax >= 0.11; slow, small shapes).
     pv: how the kernel issues ``acc += P V``, one of ``tiles.PV_VARIANTS`` (None:
       ``tiles.default_pv(interpret)``; interpret mode runs only "p_smem_fresh").
+    model_frame: False: q is in the frame the cache stores (a rotated format's q already
+      rotated, as :func:`kvjax.unified_attention` passes it to other implementations) and so
+      is the output. True: q and the output are in the model's frame; the kernel applies the
+      format's rotation (``spec.codec.rotation``) to each q tile and un-rotates each output
+      tile itself where its matrix fits in shared memory (head sizes 64 and 128), else the
+      rotation's own ops run around it. ``scale`` is the rotated frame's either way.
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
   """
@@ -137,7 +143,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       q, cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
       block_table=block_table, scale=scale, causal=causal, sliding_window=sliding_window,
       soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-      max_query_len=max_query_len, interpret=interpret, pv=pv)
+      max_query_len=max_query_len, interpret=interpret, pv=pv, model_frame=model_frame)
 
 
 def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
@@ -147,7 +153,8 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  geometry: TL.TileGeometry | None = None,
                                  ping_pong: bool = True, num_programs: int | None = None,
                                  staging: str | None = None,
-                                 registers: tuple[int, int] | None = None):
+                                 registers: tuple[int, int] | None = None,
+                                 model_frame: bool = False):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), the ping-pong schedule of two consumer warpgroups
   switchable (``kernel.py``), the number of CUDA blocks (None: :func:`.tuning.num_programs`;
@@ -155,10 +162,16 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   :func:`tiles.choose_staging`; one of ``tiles.STAGINGS``) and the (consumer, producer)
   registers a thread (None: ``kernel.default_registers``), for benchmark sweeps."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
+  t, hq, d = q.shape
+  rotation = spec.codec.rotation
+  products = rotation.products(d) if model_frame else None
+  around = products is not None and not _rotation_fits(
+      spec, q.dtype, hq, t, max_query_len, pv, interpret, geometry)
+  if around:                           # the rotation's ops around the kernel
+    q, products = rotation.rotate_q(q), None
   if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
                                               dtype=q.dtype)
-  t, hq, d = q.shape
   if d != spec.head_size:
     raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
   _checked(spec, q.dtype, hq, pv, interpret)
@@ -172,13 +185,36 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       soft_cap=soft_cap, sinks=sinks is not None, max_query_len=max_query_len,
       interpret=interpret, pv=pv, geometry=geometry, ping_pong=ping_pong,
       num_programs=MT.num_programs(interpret) if num_programs is None else int(num_programs),
-      staging=staging, registers=registers)
+      staging=staging, registers=registers,
+      out_factor=None if products is None else products[1])
   meta = TL.tile_metadata(query_start_loc, seq_lens, max_blocks, t, st.num_tiles, st.geo.bq)
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   traced_scale = None if st.scale is not None else jnp.asarray(scale, jnp.float32).reshape(1)
-  return K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk,
-                                 traced_scale, q, cache, st=st)
+  rt = None if products is None else jnp.asarray(products[0], q.dtype)
+  out = K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk,
+                                traced_scale, q, cache, st=st, rt=rt)
+  return rotation.unrotate_out(out) if around else out
+
+
+def _rotation_fits(spec: KVCacheSpec, q_dtype, num_heads: int, num_tokens: int,
+                   max_query_len, pv, interpret, geometry) -> bool:
+  """Whether the kernel has shared memory for the rotation's ``(D, D)`` matrix next to the
+  tile's buffers (with the fewest K/V slots and q staged with the output)."""
+  group, pv = _checked(spec, q_dtype, num_heads, pv, interpret)
+  mql = _bucket(num_tokens, max_query_len)
+  d, itemsize = spec.head_size, np.dtype(q_dtype).itemsize
+  geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql, itemsize, pv,
+                                       rotation=True)
+  return geo.smem_bytes(d, itemsize, pv, rotation=True) <= TL.SMEM_BUDGET
+
+
+def _bucket(num_tokens: int, max_query_len) -> int:
+  """The power-of-two max_query_len bucket that sets the tile's token count."""
+  mql = num_tokens if max_query_len is None else int(max_query_len)
+  if mql <= 0:
+    raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
+  return min(sched.next_pow2(mql), sched.next_pow2(max(num_tokens, 1)))
 
 
 def ragged_statics(spec: KVCacheSpec, q_dtype, num_tokens: int, num_heads: int,
@@ -186,30 +222,32 @@ def ragged_statics(spec: KVCacheSpec, q_dtype, num_tokens: int, num_heads: int,
                    causal=True, sliding_window=None, soft_cap=None, sinks: bool = False,
                    max_query_len=None, interpret=False, pv=None,
                    geometry: TL.TileGeometry | None = None, ping_pong: bool = True,
-                   num_programs: int = 0, staging: str | None = None, registers=None):
+                   num_programs: int = 0, staging: str | None = None, registers=None,
+                   out_factor: float | None = None):
   """The ragged kernel's statics (:class:`.kernel_statics.KernelStatics`) for one call
   shape: T tokens of Hq heads in S sequences over a plain cache of B blocks, block tables
   of width M; ``scale`` a float (None: the kernel reads it from an operand), the tile from
-  ``max_query_len``'s power-of-two bucket (None: T). Raises ValueError naming what the kernel
-  cannot take."""
+  ``max_query_len``'s power-of-two bucket (None: T); ``out_factor``: the kernel rotates q and
+  un-rotates its output (:meth:`kvjax.rotation.Rotation.products`). Raises ValueError naming
+  what the kernel cannot take."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   h, d = spec.num_kv_heads, spec.head_size
   group, pv = _checked(spec, q_dtype, num_heads, pv, interpret)
-  mql = num_tokens if max_query_len is None else int(max_query_len)
-  if mql <= 0:
-    raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
-  mql = min(sched.next_pow2(mql), sched.next_pow2(max(num_tokens, 1)))
+  mql = _bucket(num_tokens, max_query_len)
   itemsize = np.dtype(q_dtype).itemsize
-  geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql, itemsize, pv)
+  rotation = out_factor is not None
+  geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql, itemsize, pv,
+                                       rotation=rotation)
   if staging is None:
-    staging = TL.choose_staging(geo, d, itemsize, pv, interpret)
+    staging = TL.choose_staging(geo, d, itemsize, pv, interpret, rotation=rotation)
   if geo.group != group or geo.block_size != spec.block_size:
     raise ValueError(f"geometry {geo} does not match group {group} / block size "
                      f"{spec.block_size}")
-  need = geo.smem_bytes(d, itemsize, pv, staging)
+  need = geo.smem_bytes(d, itemsize, pv, staging, rotation)
   if need > TL.SMEM_BUDGET:
     raise ValueError(f"geometry {geo} needs {need} bytes of shared memory with pv={pv!r}, "
-                     f"staging={staging!r}; the budget is {TL.SMEM_BUDGET}")
+                     f"staging={staging!r}, rotation={rotation}; the budget is "
+                     f"{TL.SMEM_BUDGET}")
   # q and out move through untiled shared memory: a tile may start at any token, T need not
   # be a multiple of 8 (the kernel's q boxes past T read zeros, its stores stop at T).
   return K.KernelStatics(
@@ -219,7 +257,8 @@ def ragged_statics(spec: KVCacheSpec, q_dtype, num_tokens: int, num_heads: int,
       soft_cap=None if soft_cap is None else float(soft_cap), has_sinks=bool(sinks),
       scale=scale, dtype=np.dtype(q_dtype), interpret=bool(interpret), pv=pv,
       ping_pong=bool(ping_pong), num_programs=int(num_programs), staging=staging,
-      registers=None if registers is None else tuple(registers))
+      registers=None if registers is None else tuple(registers),
+      out_factor=None if out_factor is None else float(out_factor))
 
 
 def _checked(spec: KVCacheSpec, q_dtype, num_heads: int, pv, interpret):

@@ -1,5 +1,6 @@
 """Pieces of the Mosaic GPU ragged kernel body (:mod:`.kernel`): ``acc += P V`` in each of its
-variants, and the staging and TMA stores of a tile's output rows."""
+variants, the products that rotate q and un-rotate the output of a rotated format, and the
+staging and TMA stores of a tile's output rows."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -39,6 +40,32 @@ def accumulate_pv(acc, p16, v_ref, p_ref, pv: str, while_running):
     while_running()
     return acc_ref[...]
   return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def rotate_rows(q_ref, rt_ref, dtype):
+  """``q_ref <- dtype(q_ref @ rt_ref^T)`` in place: a warpgroup's ``(64, D)`` q rows in the
+  format's rotated frame (``rt_ref``: the ``(D, D)`` matrix of
+  :meth:`kvjax.rotation.Rotation.products`, in shared memory), accumulated in float32."""
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, q_ref, rt_ref.transpose((1, 0)))
+    return acc_ref[...]
+  x = pl.run_scoped(product, plgpu.ACC(q_ref.shape, jnp.float32))
+  q_ref[...] = x.astype(dtype)
+  plgpu.commit_smem()      # generic-proxy stores visible to the key steps' wgmma
+
+
+def unrotate_rows(out, buf_ref, rt_ref, dtype, factor: float):
+  """``(dtype(out) @ rt_ref) * factor`` (float32, WGMMA layout): a warpgroup's ``(64, D)``
+  output rows back in the model's frame, rounded to ``dtype`` first as a kernel without the
+  rotation would store them; ``buf_ref`` ``(64, D)``: shared memory the rows pass through
+  (the warpgroup's q buffer, free once its last key step is done)."""
+  buf_ref[...] = out.astype(dtype)
+  plgpu.commit_smem()
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, buf_ref, rt_ref)
+    return acc_ref[...]
+  return pl.run_scoped(product, plgpu.ACC(out.shape, jnp.float32)) * factor
 
 
 def store_rows(o_stage, o_ref, sl: TL.Slab, tok0, nq, head, chunks: int):

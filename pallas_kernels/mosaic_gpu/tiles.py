@@ -145,14 +145,16 @@ class TileGeometry:
     return tuple(out)
 
   def smem_bytes(self, head_size: int, itemsize: int, pv: str = DEFAULT_PV,
-                 staging: str = STAGING_SWIZZLED) -> int:
+                 staging: str = STAGING_SWIZZLED, rotation: bool = False) -> int:
     """Shared memory of the kernel's buffers: q, out staging, K and V slots, the P buffers of
-    the variants that pass P through shared memory, and q's own staging buffer with
-    ``staging`` :data:`STAGING_Q_OWN`."""
+    the variants that pass P through shared memory, q's own staging buffer with
+    ``staging`` :data:`STAGING_Q_OWN`, and with ``rotation`` the ``(D, D)`` matrix of the
+    format's rotation (:meth:`kvjax.rotation.Rotation.products`)."""
     q_and_out = (3 if staging == STAGING_Q_OWN else 2) * self.rows * head_size * itemsize
     kv = 2 * self.stages * self.block_kv * head_size * itemsize
     p = 0 if pv == PV_REGS else self.rows * self.block_kv * itemsize
-    return q_and_out + kv + p
+    matrix = head_size * head_size * itemsize if rotation else 0
+    return q_and_out + kv + p + matrix
 
 
 #: Hopper: 227 KiB of shared memory per block, less 3 KiB for what Mosaic GPU adds to the
@@ -168,12 +170,14 @@ def max_group(head_size: int) -> int:
 
 
 def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: int,
-                    itemsize: int = 2, pv: str = DEFAULT_PV) -> TileGeometry:
+                    itemsize: int = 2, pv: str = DEFAULT_PV,
+                    rotation: bool = False) -> TileGeometry:
   """The tile for a call: the largest power-of-two ``bq`` with ``G * bq <= 128`` rows, cut
   to the max_query_len bucket (>= 8); one consumer warpgroup when 64 rows hold the tile
   (decode-sized buckets, head size 256); 128 keys a step (64 for head size 256), as many
-  K/V slots (<= 4) as fit in shared memory next to the ``pv`` variant's buffers. K/V copies
-  are ``gcd(block_size, block_kv)`` tokens each."""
+  K/V slots (<= 4) as fit in shared memory next to the ``pv`` variant's buffers (and the
+  rotation's matrix with ``rotation``; the result may not fit: :meth:`TileGeometry.smem_bytes`
+  says). K/V copies are ``gcd(block_size, block_kv)`` tokens each."""
   if not 1 <= group <= max_group(head_size):
     raise ValueError(f"GQA group size {group} is outside [1, {max_group(head_size)}] at head "
                      f"size {head_size}")
@@ -185,14 +189,15 @@ def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: 
   stages = 4
   while stages > 2:
     geo = TileGeometry(group, bq, num_wgs, block_kv, stages, block_size)
-    if geo.smem_bytes(head_size, itemsize, pv) <= SMEM_BUDGET:
+    if geo.smem_bytes(head_size, itemsize, pv, rotation=rotation) <= SMEM_BUDGET:
       return geo
     stages -= 1
   return TileGeometry(group, bq, num_wgs, block_kv, stages, block_size)
 
 
 def choose_staging(geo: TileGeometry, head_size: int, itemsize: int = 2,
-                   pv: str = DEFAULT_PV, interpret: bool = False) -> str:
+                   pv: str = DEFAULT_PV, interpret: bool = False,
+                   rotation: bool = False) -> str:
   """How q and the output pass through shared memory (:data:`STAGINGS`): q in a buffer of
   its own wherever that buffer fits next to the tile's K/V slots (it costs none of them),
   else both in one swizzled buffer; interpret mode stages plainly (the form its simulator is
@@ -200,7 +205,7 @@ def choose_staging(geo: TileGeometry, head_size: int, itemsize: int = 2,
   (benchmarks/RESULTS.md, `mgpu-persistent`)."""
   if interpret:
     return STAGING_PLAIN
-  if geo.smem_bytes(head_size, itemsize, pv, STAGING_Q_OWN) <= SMEM_BUDGET:
+  if geo.smem_bytes(head_size, itemsize, pv, STAGING_Q_OWN, rotation) <= SMEM_BUDGET:
     return STAGING_Q_OWN
   return STAGING_SWIZZLED
 
