@@ -163,6 +163,8 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   registers a thread (None: ``kernel.default_registers``), for benchmark sweeps."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   t, hq, d = q.shape
+  if d != spec.head_size:
+    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
   rotation = spec.codec.rotation
   products = rotation.products(d) if model_frame else None
   around = products is not None and not _rotation_fits(
@@ -172,8 +174,6 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
                                               dtype=q.dtype)
-  if d != spec.head_size:
-    raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
   _checked(spec, q.dtype, hq, pv, interpret)
   num_seqs = seq_lens.shape[0]
   if t == 0 or num_seqs == 0:
