@@ -183,7 +183,7 @@ def test_every_module_imports_first_under_a_jit_trace():
   module for the first time inside ``jax.jit``."""
   import subprocess
   import sys
-  names = [n for p in ("kvjax", "pallas_kernels") for n in _modules(p)]
+  names = [n for p in LIBRARY for n in _modules(p)]
   done = subprocess.run([sys.executable, "-c", _IMPORT_UNDER_TRACE, *names], cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
