@@ -114,3 +114,17 @@ def test_sweep_rows_match_on_problem_and_configuration():
       "head": [[row("4x4096", "default", 900.0), row("4x4096", "regs=240/24", 1089.0)]]})
   by_config = {r["key"]["variant"]: r["ratio"] for r in table}
   assert by_config == pytest.approx({"default": 0.9, "regs=240/24": 1.1})
+
+
+def test_bench_prefill_parts_are_read_as_rows_timed_in_us():
+  """bench_prefill.py writes its rows per part, timed in ms: each becomes a row in µs, keyed by
+  its part, problem and column."""
+  data = {"parts": {"formats": [dict(part="formats", problem="4x4096 int4", column="auto",
+                                     ms=1.25),
+                                dict(part="formats", problem="4x4096 int4", column="Triton",
+                                     skipped="no GPU")],
+                    "checks": [dict(name="mix", ok=True)]}}
+  rows = ab.timed_rows(data)
+  assert rows[0]["us"] == pytest.approx(1250.0) and "us" not in rows[1]
+  table = ab.compare({"base": [rows], "head": [[dict(rows[0], us=1000.0)]]})
+  assert [(r["key"]["column"], round(r["ratio"], 3)) for r in table] == [("auto", 0.8)]

@@ -20,9 +20,10 @@ Then, on the GPU::
 
 ``run`` starts ``python <script> <args> --json FILE`` with each tree as working directory and
 first on ``PYTHONPATH`` (base, then head, every round), reads the ``rows`` of each JSON
-(``bench_write.py``, ``bench_decode.py`` and ``tools/sweep_decode.py`` write them) and prints,
-per row matched on its key fields, each tree's best ``us`` over the rounds and head / base,
-after every round (and into ``--json`` each time), so a job's time limit keeps what it timed.
+(``bench_write.py``, ``bench_decode.py``, ``bench_prefill.py`` and ``tools/sweep_decode.py``
+write them) and prints, per row matched on its key fields, each tree's best ``us`` over the
+rounds and head / base, after every round (and into ``--json`` each time), so a job's time
+limit keeps what it timed.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEFAULT_BASE = os.path.join(ROOT, ".ab", "base")
 #: Row fields that name a row (those present are used), and the measured field.
 KEY_FIELDS = ("kernel", "cache_dtype", "layout", "variant", "batch", "context", "impl",
-              "problem")
+              "problem", "part", "column")
 VALUE_FIELD = "us"
 
 
@@ -93,7 +94,17 @@ def run_once(tree: str, script: str, args: list, json_path: str) -> list:
     raise SystemExit(f"{' '.join(cmd)} failed in {tree} (exit {done.returncode}); the options "
                      "given must exist in both trees")
   with open(json_path) as f:
-    return json.load(f)["rows"]
+    return timed_rows(json.load(f))
+
+
+def timed_rows(data: dict) -> list:
+  """A benchmark JSON's rows: its ``rows``, or the rows of each of its ``parts``
+  (``bench_prefill.py``); a row timed in ``ms`` only gets its ``us``."""
+  rows = data.get("rows")
+  if rows is None:
+    rows = [r for part in data.get("parts", {}).values() if isinstance(part, list)
+            for r in part]
+  return [dict(r, us=r["ms"] * 1e3) if "us" not in r and "ms" in r else r for r in rows]
 
 
 def row_key(row: dict) -> tuple:
