@@ -86,3 +86,15 @@ def test_lowers_for_cuda_with_the_rotation_inside(layout, group, head_size):
       jax.ShapeDtypeStruct(spec.physical_shape(32), spec.storage_dtype), i32(5), i32(4),
       i32(4, 8)).mlir_module()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("num_tokens,num_seqs", [(0, 2), (5, 0)])
+def test_an_empty_batch_in_the_models_frame_gives_zeros(num_tokens, num_seqs):
+  """No token or no sequence: zeros, before any tile is chosen (max_query_len None = T = 0)."""
+  spec = spec_for("int4_per_token_head", head_size=128, num_kv_heads=2, dtype=jnp.bfloat16)
+  i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
+  out = R.ragged_paged_attention(
+      jnp.ones((num_tokens, 8, 128), jnp.bfloat16), spec.allocate(4), spec,
+      query_start_loc=i32(num_seqs + 1), seq_lens=i32(num_seqs), block_table=i32(num_seqs, 2),
+      scale=0.1, model_frame=True)
+  assert out.shape == (num_tokens, 8, 128) and not np.asarray(out, np.float32).any()

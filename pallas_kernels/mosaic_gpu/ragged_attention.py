@@ -165,6 +165,10 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   t, hq, d = q.shape
   if d != spec.head_size:
     raise ValueError(f"q head size {d} is not the spec's head_size {spec.head_size}")
+  _checked(spec, q.dtype, hq, pv, interpret)
+  num_seqs = seq_lens.shape[0]
+  if t == 0 or num_seqs == 0:
+    return jnp.zeros(q.shape, q.dtype)
   rotation = spec.codec.rotation
   products = rotation.products(d) if model_frame else None
   around = products is not None and not _rotation_fits(
@@ -174,10 +178,6 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
   if not PC.is_plain(spec):            # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
                                               dtype=q.dtype)
-  _checked(spec, q.dtype, hq, pv, interpret)
-  num_seqs = seq_lens.shape[0]
-  if t == 0 or num_seqs == 0:
-    return jnp.zeros(q.shape, q.dtype)
   max_blocks = block_table.shape[1]
   st = ragged_statics(
       spec, q.dtype, t, hq, num_seqs, max_blocks, spec.num_blocks_of(cache),
