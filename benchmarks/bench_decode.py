@@ -399,7 +399,6 @@ def main():
             flush=True)
       peers += peer_rows(batch, ctx, interpret, geo)
     save()
-  save()
   checks = result["checks"]
   if not args.no_checks:
     print("== compiled correctness vs reference (kernel on a poisoned cache)", flush=True)

@@ -73,7 +73,7 @@ def summary(rows, peers, kernels):
 def summarize(paths):
   """Print the tables of saved runs' JSONs (``--json``), their rows and peers merged in order
   (one run cut short by a time limit and another with the shapes it missed, on one machine)."""
-  rows, peers, kernels = [], [], []
+  rows, peers = [], []
   for path in paths:
     with open(path) as f:
       data = json.load(f)
