@@ -217,13 +217,14 @@ def test_auto_rule_for_decode_batches():
                                   max_blocks=256, max_query_len=mql)
   plain = kvjax.KVCacheSpec(8, 128, 16, dtype=BF16)
   for fmt, layout in (("auto", "NHD"), ("fp8_per_token_head", "NHD"),
-                      ("fp8_per_token_head", "HND"), ("int4_per_token_head", "NHD")):
+                      ("fp8_per_token_head", "HND"), ("int8_per_token_head", "NHD"),
+                      ("int4_per_token_head", "NHD")):
     spec = kvjax.KVCacheSpec(8, 128, 16, fmt, layout=layout, dtype=BF16)
     why = MA.prefer_attention(spec, BF16, call(64, 64, 1))
     assert (why is None) == ((spec.cache_dtype, layout) in MT.AUTO_DECODE), (fmt, layout, why)
     if why is not None:
       assert f"faster on {spec.cache_dtype} {layout}" in why
-  assert ("fp8_per_token_head", "NHD") in MT.AUTO_DECODE
+  assert {("fp8_per_token_head", "NHD"), ("int8_per_token_head", "NHD")} <= MT.AUTO_DECODE
   nvfp4 = kvjax.KVCacheSpec(8, 128, 16, "nvfp4", layout="HND")
   assert ("faster on nvfp4 HND" if JAX_VERSION >= (0, 11) else "jax >= 0.11") in \
       MA.prefer_attention(nvfp4, BF16, call(64, 64, 1))

@@ -11,9 +11,9 @@ from pallas_kernels.common import gpu_sm_count
 
 #: The (``cache_dtype``, layout) pairs whose decode batches ``auto`` gives the decode kernel;
 #: the Triton decode kernel runs the others (`mgpu-decode-rule`: the decode kernel is faster
-#: at every measured shape only on fp8 per token-head NHD; on nvfp4 it takes 1.3-1.5x the
-#: Triton kernel's time).
-AUTO_DECODE = frozenset({("fp8_per_token_head", "NHD")})
+#: at every measured shape only on the per token-head formats int8 and fp8 in NHD; on int4 and
+#: nvfp4 it takes 1.2-1.6x the Triton kernel's time).
+AUTO_DECODE = frozenset({("fp8_per_token_head", "NHD"), ("int8_per_token_head", "NHD")})
 
 #: Key steps of 64 per softmax update of the decode kernel (1 or 2; formats whose view rows
 #: hold two tokens always take 2): `mgpu-decode-rounds`.
