@@ -198,6 +198,9 @@ def main():
                   help="list each configuration's device kernels a step (profiler), untimed")
   ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings "
                   "after this many seconds")
+  ap.add_argument("--sweep-bf16", action="store_true",
+                  help="run the variants on bf16 caches too (else bf16 runs its default only, "
+                  "the baseline of x_bf16)")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   t0 = time.time()
@@ -219,7 +222,10 @@ def main():
       item = kvjax.KVCacheSpec(num_kv_heads=8, head_size=128, block_size=16, cache_dtype=cd,
                                layout="HND").page_bytes / (16 * 8 * 2 * 128)
       for layout in (x for x in layouts(cd) if x in args.layouts.split(",")):
-        for name in (["default"] if cd == "bfloat16" else variants):
+        names = variants
+        if cd == "bfloat16":      # its default first: the baseline of x_bf16
+          names = ["default"] + [v for v in variants if v != "default" and args.sweep_bf16]
+        for name in names:
           if time.time() - t0 > args.budget_s:
             print(f"  budget spent: skipping {cd} {layout} {name}", flush=True)
             continue
@@ -253,7 +259,7 @@ def main():
             continue
           nbytes = BD.kv_bytes(batch, ctx, item, geo.get("h", BD.H), geo.get("d", BD.D))
           tps = batch / (ms * 1e-3)
-          if cd == "bfloat16":
+          if cd == "bfloat16" and name == "default":
             base[(batch, ctx, layout)] = tps
           r.update(us=round(ms * 1e3, 1), tb_per_s=round(nbytes / (ms * 1e-3) / 1e12, 3),
                    x_bf16=round(tps / base[(batch, ctx, layout)], 3)
