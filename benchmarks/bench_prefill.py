@@ -12,8 +12,8 @@ Parts (``--parts``, default all):
            cached prefix, decode, padding; bf16, int8 per token-head with window + soft cap +
            sinks, fp8 per tensor), NaN in every cache slot no token was written to, metadata
            traced under jax.jit;
-  table    rows: 4x4096, 16x1024, 1x16384 causal prefill and a serving mix (1x4096 prefill +
-           64 decodes at 4096); columns: kvjax Triton (``impl="pallas"``), kvjax Mosaic GPU
+  table    rows: 4x4096, 16x1024, 1x16384 causal prefill, a serving mix (1x4096 prefill +
+           64 decodes at 4096) and its two parts alone; columns: kvjax Triton (``impl="pallas"``), kvjax Mosaic GPU
            (``impl="mosaic_gpu"``, skipped with the registry's reason where it cannot run,
            e.g. jax < 0.11 or no Hopper GPU), kvjax ``impl="auto"`` (the pick named), all
            through the paged cache (bf16, pages shuffled); on dense KV (equal-length prefills

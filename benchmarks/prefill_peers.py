@@ -21,13 +21,16 @@ from benchmarks.common import first_lines, time_jax, time_torch
 
 #: The benchmark shape: bf16, Hq query heads, H KV heads (GQA 4), head size D, block size N.
 HQ, H, D, N = 32, 8, 128, 16
-#: (name, q_lens, ctx_lens): causal prefills and a serving mix (one 4096-token prefill in the
-#: batch of 64 decodes of 4096-token histories).
+#: (name, q_lens, ctx_lens): causal prefills, a serving mix (one 4096-token prefill in the
+#: batch of 64 decodes of 4096-token histories) and the mix's two parts, each alone (what the
+#: mix would take run as two kernels one after the other).
 PROBLEMS = (
     ("4x4096", [4096] * 4, [0] * 4),
     ("16x1024", [1024] * 16, [0] * 16),
     ("1x16384", [16384], [0]),
     ("1x4096 + 64 dec@4096", [4096] + [1] * 64, [0] + [4096] * 64),
+    ("1x4096", [4096], [0]),
+    ("64 dec@4096", [1] * 64, [4096] * 64),
 )
 #: Tiny problems of the same kinds (CPU interpret smoke runs).
 SMOKE_PROBLEMS = (
