@@ -216,7 +216,20 @@ def table_lines(rows, layout) -> list:
     by_col = {r["column"]: r for r in rows if r["problem"] == p}
     lines.append(f"| {p} | " + " | ".join(cell(by_col.get(c)) for c in columns) +
                  f" | {picks.get(p, '?')} |")
-  return lines + [""] + notes(rows)
+  return lines + [""] + mix_lines(rows) + notes(rows)
+
+
+def mix_lines(rows) -> list:
+  """Per column: the serving mix's time against its parts' run one after the other."""
+  mix, parts = P.MIX_PARTS
+  ms = {(r["problem"], r["column"]): r["ms"] for r in rows if "ms" in r}
+  out = []
+  for c in dict.fromkeys(r["column"] for r in rows):
+    if (mix, c) in ms and all((p, c) in ms for p in parts):
+      total = sum(ms[(p, c)] for p in parts)
+      out.append(f"- {c}: the mix {ms[(mix, c)]:.3f} ms, its parts one after the other "
+                 f"{total:.3f} ms ({ms[(mix, c)] / total:.2f}x)")
+  return out
 
 
 def format_lines(rows, smoke=False) -> list:

@@ -32,6 +32,8 @@ PROBLEMS = (
     ("1x4096", [4096], [0]),
     ("64 dec@4096", [1] * 64, [4096] * 64),
 )
+#: The serving mix and the problems of its parts.
+MIX_PARTS = ("1x4096 + 64 dec@4096", ("1x4096", "64 dec@4096"))
 #: Tiny problems of the same kinds (CPU interpret smoke runs).
 SMOKE_PROBLEMS = (
     ("2x64", [64] * 2, [0] * 2),

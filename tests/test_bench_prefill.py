@@ -26,6 +26,18 @@ def test_visible_pairs_count_the_causal_mask(rng):
   assert P.attention_flops(q_lens, ctx_lens, hq=6, d=16) == 4 * 6 * 16 * mask_pairs
 
 
+def test_mix_line_sets_the_mix_against_its_parts():
+  """The table's mix line: per column with the mix and both parts timed, mix / sum of parts;
+  a column missing a part gets no line."""
+  mix, (a, b) = P.MIX_PARTS
+  assert {mix, a, b} <= {p for p, _, _ in P.PROBLEMS}
+  rows = [dict(problem=mix, column="x", ms=0.6), dict(problem=a, column="x", ms=0.25),
+          dict(problem=b, column="x", ms=0.15), dict(problem=mix, column="y", ms=0.5),
+          dict(problem=a, column="y", ms=0.2), dict(problem=b, column="y", skipped="why")]
+  assert bench_prefill.mix_lines(rows) == [
+      "- x: the mix 0.600 ms, its parts one after the other 0.400 ms (1.50x)"]
+
+
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8_per_token_head"])
 def test_paged_batch_writes_every_token_into_its_page(rng, cache_dtype):
   """fill="nan": every page a sequence names is written, the others keep their NaN bytes;
