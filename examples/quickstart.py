@@ -11,8 +11,9 @@ What it does (a serving step in miniature):
   4. hands the cache to PyTorch zero-copy (torch_bridge.to_torch) when torch is installed,
   5. prints a short report: every error next to the tolerance it is judged by and its
      verdict, then OK (exit 0) or MISMATCH (exit 1).
-On CPU it finishes in seconds (impl="auto" runs the jnp reference there; ``--impl pallas``
-runs the Pallas kernels in interpret mode). On a GPU, impl="auto" runs the Pallas kernels.
+On CPU it finishes in seconds (impl="auto" runs the compiled XLA implementation there;
+``--impl pallas`` runs the Pallas kernels in interpret mode). On a GPU, impl="auto" runs the
+Pallas kernels. The report names what ran (``kvjax.explain``).
 """
 from __future__ import annotations
 
@@ -218,10 +219,16 @@ def main(argv=None):
   ref = kvjax.unified_attention(q, cache, spec, scale=sm_scale, impl="reference", **meta,
                               **scales)
   out32 = np.asarray(out.astype(jnp.float32))
-  checked = out32
-  if args.impl == "reference" or (args.impl == "auto" and backend == "cpu"):
+  call = kvjax.registry.AttentionCall(num_tokens=q.shape[0], num_q_heads=q.shape[1],
+                                     num_seqs=len(batch["seqs"]),
+                                     max_blocks=meta["block_table"].shape[1], max_query_len=max_q)
+  ran = {"write": kvjax.explain("write", spec, impl=args.impl),
+         "attention": kvjax.explain("attention", spec, q.dtype, impl=args.impl, call=call)}
+  checked, checked_impl = out32, ran["attention"]
+  if checked_impl.name == "reference":
     # The reference compared with itself says nothing: check the Pallas kernels instead
     # (interpret mode on CPU).
+    checked_impl = kvjax.explain("attention", spec, q.dtype, impl="pallas", call=call)
     checked = np.asarray(kvjax.unified_attention(
         q, cache, spec, scale=sm_scale, max_query_len=max_q, impl="pallas", **meta,
         **scales).astype(jnp.float32))
@@ -241,20 +248,20 @@ def main(argv=None):
   tinfo = torch_step(cache, spec)
 
   step(5, total, "report")
-  impl_used = args.impl if args.impl != "auto" else ("reference" if backend == "cpu" else "pallas")
-  if impl_used == "pallas" and backend == "cpu":
-    impl_used += ", interpret mode"
+  mode = lambda c: f"{c.name} ({'interpret mode' if c.interpret else 'compiled'})"
   rows = [
       ("backend / device", f"{backend} / {device.device_kind}"),
-      ("impl", f"{impl_used} (requested {args.impl})"),
+      ("impl", f"write: {mode(ran['write'])}; attention: {mode(ran['attention'])} "
+               f"(requested {args.impl})"),
       ("cache", f"{spec.cache_dtype}, layout {spec.layout}, H={h} D={d} N={spec.block_size}"),
       ("physical shape", f"{tuple(cache.shape)} {cache.dtype}"),
       ("page bytes", f"{spec.page_bytes:,}"),
       ("batch", f"{len(batch['seqs'])} seqs, seq_lens {batch['seq_lens'].tolist()}, "
                 f"{num_q} query tokens + {PAD_TOKENS} padding"),
       ("output", f"{tuple(out.shape)} {out.dtype}"),
-      ("Pallas kernels vs reference" + (" (interpret mode)" if backend == "cpu" else ""),
-       f"{err_ref:.3e} max abs error, tolerance {tol_ref:.2g}: {verdict(ok_ref)}"),
+      ("attention vs reference",
+       f"{err_ref:.3e} max abs error of {mode(checked_impl)}, tolerance {tol_ref:.2g}: "
+       f"{verdict(ok_ref)}"),
       ("max error vs dense attention",
        f"{err_dense:.3e} vs plain attention over the original K/V, tolerance {tol_dense:.2g} "
        f"({'quantization error' if spec.format.is_quantized else 'bf16 rounding'}): "
