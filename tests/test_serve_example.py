@@ -50,7 +50,7 @@ def _run_ok(args):
 def test_serve_pallas_interpret_matches_dense_model(rng):
   seed = str(int(rng.integers(0, 2**31)))
   out = _run_ok(SMALL + ["--impl", "pallas", "--seed", seed])
-  assert _field(out, "backend / impl") == "cpu / pallas, interpret mode"
+  assert _field(out, "backend / impl") == "cpu / pallas (interpret mode)"
   same, total = map(int, re.match(r"(\d+)/(\d+)", _field(out, "tokens equal to dense")).groups())
   ties = int(re.search(r"(\d+) other", _field(out, "tokens equal to dense")).group(1))
   assert total >= 6 and same + ties == total

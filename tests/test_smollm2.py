@@ -73,7 +73,7 @@ def _texts(out):
 
 def test_serve_smollm2_matches_hf_eager():
   out = _run("serve.py", ["--model", "smollm2-135m", "--check"])
-  assert _field(out, "backend / impl") == "cpu / reference"
+  assert _field(out, "backend / impl") == "cpu / xla (compiled)"   # auto on CPU
   assert _field(out, "equal to HF eager").startswith("48/48 (100.0%)")
   assert _field(out, "requests").startswith("3 finished of 3, 48 tokens generated")
   assert _field(out, "all pages freed") == "yes"

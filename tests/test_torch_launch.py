@@ -155,13 +155,16 @@ def test_facade_says_which_path_a_call_takes(rng):
   q = rand_bf16(rng, (2, 8, 64))
   out = torch.empty_like(q)
   backend.forward(q, cache, md, out)
-  assert backend.last_path.startswith("jax: tensors on cpu")
+  assert backend.last_path.startswith("jax (xla): tensors on cpu")   # auto's CPU attention
   assert "Triton kernels (through JAX) are faster" in backend.direct_reason(
       "cuda", _decode_metadata("cpu", [5, 17], 2, 8, rng, [2, 1]))
   prefill = _decode_metadata("cpu", [200, 17], 2, 8, rng, [150, 1])
   assert "layered" in backend.direct_reason("cuda", prefill, layered=True)
   backend.do_kv_cache_update(q[:, :2], q[:, 2:4], cache, md.slot_mapping)
-  assert backend.last_write_path.startswith("jax: tensors on cpu")
+  assert backend.last_write_path.startswith("jax (reference): tensors on cpu")
+  named = tb.PagedAttentionBackend(8, 2, 64, 16, "bfloat16", impl="pallas")
+  named.forward(q, cache, md, out)
+  assert named.last_path.startswith("jax (pallas, interpret mode): ")
   off = tb.PagedAttentionBackend(8, 2, 64, 16, "bfloat16", direct_launch=False)
   assert off.direct_reason("cuda", md) == "direct_launch=False"
   ref = tb.PagedAttentionBackend(8, 2, 64, 16, "bfloat16", impl="reference")

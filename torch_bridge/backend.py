@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 import kvjax
+from kvjax.registry import AttentionCall
 from kvjax.spec import KVCacheSpec
 from torch_bridge import checks
 from torch_bridge import dlpack as D
@@ -45,7 +46,7 @@ from torch_bridge import jitted
 from torch_bridge import layout as L
 from torch_bridge.kept import (KEEP_CACHES, KEEP_OUTPUT_BYTES, KEEP_OUTPUTS, KeptCache,
                                check_layer, copy_pages_back)
-from torch_bridge.launches import WRITE_PATH, TorchLaunches
+from torch_bridge.launches import WRITE_PATH, TorchLaunches, jax_path
 from torch_bridge.metadata import PagedAttentionMetadata
 
 
@@ -71,7 +72,8 @@ class PagedAttentionBackend:
     dtype: torch model dtype of query / key / value / output.
     scale: softmax scale (default D**-0.5). sliding_window, soft_cap: as in vLLM.
     sinks: float ``[Hq]`` per-query-head sink logits (torch tensor or array) or None.
-    impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None = on CPU).
+    impl: "auto" | "pallas" | "reference"; interpret: Pallas interpret mode (None: on CPU
+      tensors with impl="pallas").
     crossing_mode: "fast" | "dlpack", see :mod:`torch_bridge.interop`.
     check_cuda_inputs: also check CUDA slot mappings, metadata and scale tensors on the
       host (kvjax's rules: slots < capacity, block ids in range, query_start_loc
@@ -142,7 +144,7 @@ class PagedAttentionBackend:
                                    sliding_window, self.soft_cap, self.sinks,
                                    bool(direct_launch), impl)
     #: The path of the last ``forward`` / ``do_kv_cache_update``: "mosaic_gpu decode (write)
-    #: launched from torch" or "jax: <why not the launch>".
+    #: launched from torch" or "jax (<implementation>): <why not the launch>".
     self.last_path = self.last_write_path = None
 
   # -- vLLM's static layout API --------------------------------------------------------------
@@ -240,14 +242,11 @@ class PagedAttentionBackend:
     raise ValueError(f"{name} must be [T, {heads}, {d}] (or [T, {heads * d}]), got "
                      f"{tuple(shape)}")
 
-  def _impl(self, cx):
-    """(impl, interpret) for tensors on ``cx``'s device. CPU tensors never take compiled
-    Pallas, even on a machine whose default JAX backend is a GPU (JAX runs Pallas on the
-    CPU only in interpret mode): "auto" is the reference there, interpret defaults on."""
-    if cx.is_cuda:
-      return self.impl, self.interpret
-    return ("reference" if self.impl == "auto" else self.impl,
-            True if self.interpret is None else self.interpret)
+  def _impl(self, on_cuda: bool):
+    """(impl, interpret) for CUDA or CPU tensors. On CPU "auto" lets the registry choose for
+    the CPU (never a compiled GPU kernel), and Pallas named runs in interpret mode."""
+    named_on_cpu = not on_cuda and self.impl != "auto" and self.interpret is None
+    return self.impl, True if named_on_cpu else self.interpret
 
   def _precision(self):
     """The matmul precision the jitted functions are traced with: for a float32 model,
@@ -337,7 +336,8 @@ class PagedAttentionBackend:
       launch(key, value, entry.phys, slots_t, ks, vs, layer)
       self.last_write_path = WRITE_PATH
       return None
-    self.last_write_path = f"jax: {launch}"
+    impl = self._impl(cx.is_cuda)
+    self.last_write_path = jax_path(self.spec, "write", launch, *impl, cx.is_cuda)
     stream = cx.fence()        # after every torch op above, before every import below
     k, v = cx.input(key), cx.input(value)       # CUDA: fresh after the fence, carrying it
     slots = cx.view(slots_t, zero_copy=False) if slots_t is slot_mapping else cx.fresh(slots_t)
@@ -345,8 +345,7 @@ class PagedAttentionBackend:
     prec = self._precision()
     fn = self._write.get((cx.is_cuda, prec))
     if fn is None:
-      fn = self._write[(cx.is_cuda, prec)] = jitted.write_fn(self.spec, *self._impl(cx),
-                                                            cx.is_cuda, prec)
+      fn = self._write[(cx.is_cuda, prec)] = jitted.write_fn(self.spec, *impl, cx.is_cuda, prec)
     new = fn(cache, k, v, slots, self._scale_array(cx, ks), self._scale_array(cx, vs),
              self._layer_array(cx, layer))
     if not cx.is_cuda:
@@ -391,11 +390,13 @@ class PagedAttentionBackend:
     if not isinstance(launch, str):   # the metadata as it is (int32, contiguous): no padding
       self.last_path = launch(q, entry.phys, metadata, out, ks, vs, layer)
       return output
-    self.last_path = f"jax: {launch}"
     mql = metadata.padded(t)[3]          # torch work (padding), once per metadata and T
     stream = cx.fence()                  # after every torch op above, before every import
     qj = cx.input(q)                     # CUDA: a fresh import, carrying the fence
     qsl, sl, bt = metadata.jax_arrays(cx, t)
+    call, impl = AttentionCall(t, self.num_heads, len(sl), bt.shape[1], mql), self._impl(cx.is_cuda)
+    self.last_path = jax_path(self.spec, "attention", launch, *impl, cx.is_cuda, call,
+                              layer is not None)
     donate = cx.is_cuda and self.output_mode == "donate" and out.is_contiguous()
     prec = self._precision()
     fkey = (mql, metadata.causal, donate, cx.is_cuda, prec)
@@ -403,7 +404,7 @@ class PagedAttentionBackend:
     if fn is None:
       fn = self._attn[fkey] = jitted.attention_fn(
           self.spec, self.scale, metadata.causal, self.sliding_window, self.soft_cap, mql,
-          *self._impl(cx), donate, prec)
+          *impl, donate, prec)
     args = (qj, self._cache_array(cx, entry), qsl, sl, bt, self._sinks(cx),
             self._scale_array(cx, ks), self._scale_array(cx, vs), self._layer_array(cx, layer))
     if not donate:

@@ -8,14 +8,28 @@ reason.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
+
+import kvjax
 
 #: What ``PagedAttentionBackend.last_path`` / ``last_write_path`` say of a launched call.
 DECODE_PATH = "mosaic_gpu decode launched from torch"
 RAGGED_PATH = "mosaic_gpu ragged launched from torch"
 WRITE_PATH = "mosaic_gpu write launched from torch"
+
+
+@functools.lru_cache(maxsize=256)
+def jax_path(spec, op: str, why: str, impl: str, interpret, on_cuda: bool, call=None,
+             layered: bool = False) -> str:
+  """What ``last_path`` / ``last_write_path`` say of a call through JAX: the implementation
+  the registry takes for it (:func:`kvjax.explain` for the tensors' platform; ``call``: the
+  attention call's :class:`kvjax.registry.AttentionCall`) and ``why`` it is not launched."""
+  choice = kvjax.explain(op, spec, impl=impl, interpret=interpret, call=call,
+                         platform="gpu" if on_cuda else "cpu", layered=layered)
+  return f"jax ({choice.name}{', interpret mode' if choice.interpret else ''}): {why}"
 
 
 class TorchLaunches:
