@@ -46,7 +46,7 @@ from torch_bridge import jitted
 from torch_bridge import layout as L
 from torch_bridge.kept import (KEEP_CACHES, KEEP_OUTPUT_BYTES, KEEP_OUTPUTS, KeptCache,
                                check_layer, copy_pages_back)
-from torch_bridge.launches import WRITE_PATH, TorchLaunches, jax_path
+from torch_bridge.launches import WRITE_PATH, LastPath, TorchLaunches
 from torch_bridge.metadata import PagedAttentionMetadata
 
 
@@ -91,6 +91,9 @@ class PagedAttentionBackend:
       path the last call took, :meth:`direct_reason` / :meth:`direct_write_reason` why a
       call would not take the launch.
   """
+  #: The path of the last ``forward`` / ``do_kv_cache_update``: "mosaic_gpu decode (write)
+  #: launched from torch" or "jax (<implementation>): <why not the launch>".
+  last_path, last_write_path = LastPath(), LastPath()
 
   kv_cache_layout = "NHD"   # what get_kv_cache_stride_order uses when called on the class
 
@@ -143,8 +146,6 @@ class PagedAttentionBackend:
     self._launches = TorchLaunches(self.spec, num_heads, self.dtype, self.scale,
                                    sliding_window, self.soft_cap, self.sinks,
                                    bool(direct_launch), impl)
-    #: The path of the last ``forward`` / ``do_kv_cache_update``: "mosaic_gpu decode (write)
-    #: launched from torch" or "jax (<implementation>): <why not the launch>".
     self.last_path = self.last_write_path = None
 
   # -- vLLM's static layout API --------------------------------------------------------------
@@ -337,7 +338,7 @@ class PagedAttentionBackend:
       self.last_write_path = WRITE_PATH
       return None
     impl = self._impl(cx.is_cuda)
-    self.last_write_path = jax_path(self.spec, "write", launch, *impl, cx.is_cuda)
+    self.last_write_path = (self.spec, "write", launch, *impl, cx.is_cuda)
     stream = cx.fence()        # after every torch op above, before every import below
     k, v = cx.input(key), cx.input(value)       # CUDA: fresh after the fence, carrying it
     slots = cx.view(slots_t, zero_copy=False) if slots_t is slot_mapping else cx.fresh(slots_t)
@@ -395,8 +396,7 @@ class PagedAttentionBackend:
     qj = cx.input(q)                     # CUDA: a fresh import, carrying the fence
     qsl, sl, bt = metadata.jax_arrays(cx, t)
     call, impl = AttentionCall(t, self.num_heads, len(sl), bt.shape[1], mql), self._impl(cx.is_cuda)
-    self.last_path = jax_path(self.spec, "attention", launch, *impl, cx.is_cuda, call,
-                              layer is not None)
+    self.last_path = (self.spec, "attention", launch, *impl, cx.is_cuda, call, layer is not None)
     donate = cx.is_cuda and self.output_mode == "donate" and out.is_contiguous()
     prec = self._precision()
     fkey = (mql, metadata.causal, donate, cx.is_cuda, prec)

@@ -21,6 +21,24 @@ RAGGED_PATH = "mosaic_gpu ragged launched from torch"
 WRITE_PATH = "mosaic_gpu write launched from torch"
 
 
+class LastPath:
+  """A backend attribute that says which path its last call took: set to one of the strings
+  above (a launch) or to the arguments of :func:`jax_path` (a call through JAX), formatted
+  only when read (asking the registry costs more than a call)."""
+
+  def __set_name__(self, owner, name):
+    self.slot = "_" + name
+
+  def __get__(self, obj, owner=None):
+    if obj is None:
+      return self
+    value = getattr(obj, self.slot, None)
+    return jax_path(*value) if isinstance(value, tuple) else value
+
+  def __set__(self, obj, value):
+    setattr(obj, self.slot, value)
+
+
 @functools.lru_cache(maxsize=256)
 def jax_path(spec, op: str, why: str, impl: str, interpret, on_cuda: bool, call=None,
              layered: bool = False) -> str:
