@@ -9,7 +9,9 @@ is bounded by the batch (rows x queries x keys of one step), not by the cache.
 
 Rows of queries are either the sequences (each with ``max_query_len`` query slots: decodes and
 prefills with a known bound) or, where those slots would be many more than the tokens (a ragged
-batch with no bound), the tokens themselves, a chunk of tokens at a time. Metadata outside the
+batch with no bound), the tokens themselves, a chunk of tokens at a time. Long rows of
+sequences are attended a chunk of query slots at a time, so that under a causal mask each
+chunk's key loop ends at its last position. Metadata outside the
 contract follows :mod:`kvjax.ragged_batch`, as in every implementation. Like every
 implementation it computes on the values as stored (the public op rotates around it).
 """
@@ -38,10 +40,14 @@ class XlaAttentionConfig:
     max_slots_per_token: rows are the sequences (``max_query_len`` query slots each) while
       ``num_seqs * max_query_len <= max_slots_per_token * num_tokens``; else the tokens.
     tokens_per_chunk: tokens attended together when rows are tokens (a loop over chunks).
+    query_chunk: with rows of more query slots than this, the slots are attended this many at
+      a time (a loop over chunks), so that under a causal mask a chunk's key loop ends at its
+      last position: about half the work of a long prefill.
   """
   step_bytes: int = 2 << 20
   max_slots_per_token: int = 4
   tokens_per_chunk: int = 16
+  query_chunk: int = 256
 
 
 DEFAULT_CONFIG = XlaAttentionConfig()
@@ -66,6 +72,8 @@ def _online_softmax(qg, pos, blocks, seq_lens, cache, spec, *, scale, causal, sl
   key_in_step = jnp.arange(width, dtype=jnp.int32)
 
   hi = jnp.minimum((jnp.max(seq_lens) + width - 1) // width, num_steps)
+  if causal:                         # no query sees a key past max(pos)
+    hi = jnp.minimum(hi, jnp.max(pos) // width + 1)
   lo = jnp.int32(0)
   if sliding_window is not None:     # no query sees a key at or below min(pos) - W
     lo = jnp.clip(jnp.min(pos) - sliding_window + 1, 0, None) // width
@@ -114,6 +122,23 @@ def _online_softmax(qg, pos, blocks, seq_lens, cache, spec, *, scale, causal, sl
   return jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 
+def _by_query_chunks(attend, qg, pos, blocks, seq_lens, chunk: int):
+  """``attend(qg, pos, blocks, seq_lens)`` (float32 ``[R, Q, H, G, D]``, positions ``[R, Q]``)
+  over chunks of ``chunk`` query slots, one after another (``lax.map``): each chunk's key loop
+  stops at its own last position. Padding slots repeat the last position (their rows are cut
+  off)."""
+  r, nq = pos.shape
+  if nq <= chunk:
+    return attend(qg, pos, blocks, seq_lens)
+  nc = -(-nq // chunk)
+  pad = nc * chunk - nq
+  qg = jnp.pad(qg, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+  pos = jnp.pad(pos, ((0, 0), (0, pad)), mode="edge")
+  split = lambda x: jnp.moveaxis(x.reshape((r, nc, chunk) + x.shape[2:]), 1, 0)
+  out = jax.lax.map(lambda a: attend(a[0], a[1], blocks, seq_lens), (split(qg), split(pos)))
+  return jnp.moveaxis(out, 0, 1).reshape((r, nc * chunk) + out.shape[3:])[:, :nq]
+
+
 def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens, block_table,
                       scale, causal=True, sliding_window=None, soft_cap=None, sinks=None,
                       k_scale=None, v_scale=None, max_query_len=None,
@@ -147,7 +172,7 @@ def unified_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
     q_len = qsl[1:] - qsl[:-1]
     tok = jnp.clip(qsl[:-1, None] + i[None, :], 0, t - 1)
     pos_s = sl[:, None] - q_len[:, None] + i[None, :]
-    out = attend(qf[tok], pos_s, blocks, sl)                               # [S, Q, H, G, D]
+    out = _by_query_chunks(attend, qf[tok], pos_s, blocks, sl, config.query_chunk)
     out = out[seq, jnp.clip(jnp.arange(t) - qsl[seq], 0, slots - 1)]
   else:
     # Rows are tokens, each over its sequence's pages: a chunk of tokens at a time.

@@ -57,6 +57,28 @@ def test_equals_the_reference_in_token_rows_and_small_steps(rng):
                              rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_equals_the_reference_in_query_chunks(rng, layout):
+  """Rows are sequences of ragged query lengths with cached prefixes, attended 16 query slots
+  at a time (the last chunk padded), each chunk's key loop cut at its last position; window,
+  soft cap and sinks."""
+  spec = KVCacheSpec(2, 64, 16, "int8_per_token_head", layout)
+  q_lens, prefix = np.array([37, 5, 60]), np.array([10, 30, 0])
+  q, cache, _ = _batch(rng, spec, 3, 96, 60, 30, 4)
+  q = q[:int(q_lens.sum())]
+  meta = dict(query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+              seq_lens=jnp.asarray(q_lens + prefix, jnp.int32),
+              block_table=jnp.asarray(rng.permutation(30)[:15].reshape(3, 5), jnp.int32))
+  kw = dict(scale=0.125, sliding_window=40, soft_cap=4.0, max_query_len=60,
+            sinks=jnp.asarray(rng.standard_normal(4), jnp.float32), **meta)
+  want = kvjax.unified_attention(q, cache, spec, impl="reference", **kw)
+  got = jax.jit(lambda q, c: xla_attention(q, c, spec, config=XlaAttentionConfig(
+      query_chunk=16, step_bytes=1), **kw))(q, cache)
+  assert np.abs(np.asarray(want, np.float32)).max() > 0.05
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=2e-2, atol=2e-2)
+
+
 def _temp_bytes(impl, spec, num_blocks):
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
   f = lambda q, c, qsl, sl, bt: kvjax.unified_attention(
