@@ -11,9 +11,9 @@ Rows of queries are either the sequences (each with ``max_query_len`` query slot
 prefills with a known bound) or, where those slots would be many more than the tokens (a ragged
 batch with no bound), the tokens themselves, a chunk of tokens at a time. Long rows of
 sequences are attended a chunk of query slots at a time, so that under a causal mask each
-chunk's key loop ends at its last position. Metadata outside the
-contract follows :mod:`kvjax.ragged_batch`, as in every implementation. Like every
-implementation it computes on the values as stored (the public op rotates around it).
+chunk's key loop ends at its last position. Metadata outside the contract follows
+:mod:`kvjax.ragged_batch`, as in every implementation. Like every implementation it computes on
+the values as stored (the public op rotates around it).
 """
 from __future__ import annotations
 
