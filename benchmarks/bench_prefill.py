@@ -13,9 +13,9 @@ Parts (``--parts``, default all):
            sinks, fp8 per tensor), NaN in every cache slot no token was written to, metadata
            traced under jax.jit;
   table    rows: 4x4096, 16x1024, 1x16384 causal prefill, a serving mix (1x4096 prefill +
-           64 decodes at 4096) and its two parts alone; columns: kvjax Triton (``impl="pallas"``), kvjax Mosaic GPU
-           (``impl="mosaic_gpu"``, skipped with the registry's reason where it cannot run,
-           e.g. jax < 0.11 or no Hopper GPU), kvjax ``impl="auto"`` (the pick named), all
+           64 decodes at 4096) and its two parts alone; columns: kvjax Triton
+           (``impl="pallas"``), kvjax Mosaic GPU (``impl="mosaic_gpu"``, skipped with the
+           registry's reason where it cannot run, e.g. jax < 0.11 or no Hopper GPU), kvjax ``impl="auto"`` (the pick named), all
            through the paged cache (bf16, pages shuffled); on dense KV (equal-length prefills
            only) JAX's ``attention_mgpu`` (float16), cuDNN via ``jax.nn.dot_product_attention``
            and torch SDPA with ``enable_gqa`` (when torch has CUDA). Cells: TFLOP/s (ms);
@@ -257,8 +257,8 @@ def format_lines(rows, smoke=False) -> list:
     label = "bfloat16 (= auto)" if cd == "bfloat16" else cd
     lines.append(f"| {label} | {layout} | " + " | ".join(cells) + f" | {pick} |")
   if not smoke:
-    lines += ["", f"Target >= {FORMAT_TARGET:.0%} of bf16: " + ("met by every measured format" if not short
-                                                 else "missed by " + ", ".join(short))]
+    verdict = "met by every measured format" if not short else "missed by " + ", ".join(short)
+    lines += ["", f"Target >= {FORMAT_TARGET:.0%} of bf16: {verdict}"]
   return lines + notes(rows)
 
 
