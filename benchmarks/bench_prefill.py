@@ -12,13 +12,13 @@ Parts (``--parts``, default all):
            cached prefix, decode, padding; bf16, int8 per token-head with window + soft cap +
            sinks, fp8 per tensor), NaN in every cache slot no token was written to, metadata
            traced under jax.jit;
-  table    rows: 4x4096, 16x1024, 1x16384 causal prefill, a serving mix (1x4096 prefill +
-           64 decodes at 4096) and its two parts alone; columns: kvjax Triton
-           (``impl="pallas"``), kvjax Mosaic GPU (``impl="mosaic_gpu"``, skipped with the
-           registry's reason where it cannot run, e.g. jax < 0.11 or no Hopper GPU), kvjax
-           ``impl="auto"`` (the pick named), all through the paged cache (bf16, pages
-           shuffled); on dense KV (equal-length prefills only) JAX's ``attention_mgpu`` (float16), cuDNN via ``jax.nn.dot_product_attention``
-           and torch SDPA with ``enable_gqa`` (when torch has CUDA). Cells: TFLOP/s (ms);
+  table    rows: 4x4096, 16x1024, 1x16384 causal prefill, a serving mix (1x4096 prefill + 64 decodes
+           at 4096) and its two parts alone; columns: kvjax Triton (``impl="pallas"``), kvjax Mosaic
+           GPU (``impl="mosaic_gpu"``, skipped with the registry's reason where it cannot run, e.g.
+           jax < 0.11 or no Hopper GPU), kvjax ``impl="auto"`` (the pick named), all through the
+           paged cache (bf16, pages shuffled); on dense KV (equal-length prefills only) JAX's
+           ``attention_mgpu`` (float16), cuDNN via ``jax.nn.dot_product_attention`` and torch SDPA
+           with ``enable_gqa`` (when torch has CUDA). Cells: TFLOP/s (ms);
   formats  every cache format on a 4x4096 causal prefill (NHD; nvfp4 HND) through the Triton
            ragged kernel (``impl="pallas"``: quantized pages read through a plain copy where
            that pays) and through ``impl="auto"``: TFLOP/s (ms) and % of the bf16 cache's
