@@ -249,7 +249,7 @@ def main(argv=None):
   tinfo = torch_step(cache, spec)
 
   step(5, total, "report")
-  mode = lambda c: f"{c.name} ({'interpret mode' if c.interpret else 'compiled'})"
+  mode = lambda c: f"{c.name} ({c.mode})"
   rows = [
       ("backend / device", f"{backend} / {device.device_kind}"),
       ("impl", f"write: {mode(ran['write'])}; attention: {mode(ran['attention'])} "

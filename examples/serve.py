@@ -445,7 +445,7 @@ def impl_label(args, spec=None) -> str:
     return f"{backend} / impl {args.impl}"
   choice = kvjax.explain("attention", spec, impl=args.impl,
                          interpret=True if args.interpret else None)
-  label = f"{backend} / {choice.name} ({'interpret mode' if choice.interpret else 'compiled'})"
+  label = f"{backend} / {choice.name} ({choice.mode})"
   return label + (", auto picks per step" if args.impl == "auto" and backend == "gpu" else "")
 
 

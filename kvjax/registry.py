@@ -196,9 +196,13 @@ class Choice:
       kwargs["interpret"] = self.interpret
     return self.impl.fn(*args, **kwargs)
 
+  @property
+  def mode(self) -> str:
+    """How it runs: "interpret mode" or "compiled"."""
+    return "interpret mode" if self.interpret else "compiled"
+
   def __str__(self) -> str:
-    mode = "interpret mode" if self.interpret else "compiled"
-    lines = [f"{self.op} on {self.platform}: {self.name} ({mode})"]
+    lines = [f"{self.op} on {self.platform}: {self.name} ({self.mode})"]
     lines += [f"  passed over {name}: {why}" for name, why in self.skipped]
     return "\n".join(lines)
 
