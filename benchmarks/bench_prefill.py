@@ -21,8 +21,9 @@ Parts (``--parts``, default all):
            with ``enable_gqa`` (when torch has CUDA). Cells: TFLOP/s (ms);
   formats  every cache format on a 4x4096 causal prefill (NHD; nvfp4 HND) through the Triton
            ragged kernel (``impl="pallas"``: quantized pages read through a plain copy where
-           that pays) and through ``impl="auto"``: TFLOP/s (ms) and % of the bf16 cache's
-           TFLOP/s in the same column (target >= 97 %: FORMAT_TARGET).
+           that pays), through ``impl="auto"`` and through the Mosaic GPU ragged kernel reading
+           quantized pages through a plain copy and as stored (where it can): TFLOP/s (ms) and
+           % of the bf16 cache's TFLOP/s in the same column (target >= 97 %: FORMAT_TARGET).
 Shape: bf16, Hq 32, H 8 (GQA 4), D 128, block 16. FLOPs = 4 * Hq * D * (visible query-key
 pairs) (``benchmarks/prefill_peers.py``); a causal S x L prefill has S * L * (L + 1) / 2.
 Timing: ``benchmarks/common.py`` (median of 5 means of 10 back-to-back calls after 2 warm-up
@@ -53,6 +54,8 @@ PARTS = ("checks", "table", "formats")
 KVJAX_COLUMNS = (("kvjax Triton (paged)", "pallas"), ("kvjax Mosaic GPU (paged)", "mosaic_gpu"),
                  ("kvjax auto (paged)", "auto"))
 CHECK_IMPLS = ("pallas", "mosaic_gpu")
+#: The formats part's Mosaic GPU columns: quantized pages through a plain copy, and as stored.
+READ_COLUMNS = (("Mosaic GPU, plain copy", "copy"), ("Mosaic GPU, as stored", "direct"))
 #: Each cache format's prefill TFLOP/s over the bf16 cache's in the same column, at least.
 FORMAT_TARGET = 0.97
 
@@ -147,6 +150,13 @@ def run_table(smoke: bool, layout: str) -> list:
 
 
 # -- part formats -----------------------------------------------------------------------------
+def _reads_directly(spec) -> bool:
+  """Whether the Mosaic GPU ragged kernel can read ``spec``'s pages as stored (bf16: its
+  plain pages, as the other columns)."""
+  from pallas_kernels.mosaic_gpu import ragged_attention as RA   # noqa: PLC0415
+  return spec.codec.is_plain or RA.direct_reason(spec, jnp.bfloat16) is None
+
+
 def run_formats(smoke: bool) -> list:
   """Every cache format, causal S x L prefill, Triton ragged kernel and auto."""
   rng = np.random.default_rng(2)
@@ -164,6 +174,13 @@ def run_formats(smoke: bool) -> list:
       record(rows, "formats", f"{s}x{L} {cd} {spec.layout}", column, flops,
              P.measure(P.kvjax_thunk(spec, impl, args, L, timing)), format=cd,
              layout=spec.layout, **extra)
+    for column, read in READ_COLUMNS:
+      with P.ragged_read(read):
+        result = (P.measure(P.kvjax_thunk(spec, "mosaic_gpu", args, L, timing))
+                  if read == "copy" or _reads_directly(spec) else
+                  dict(skipped="read through the plain copy"))
+      record(rows, "formats", f"{s}x{L} {cd} {spec.layout}", column, flops, result, format=cd,
+             layout=spec.layout)
     del args
   return rows
 

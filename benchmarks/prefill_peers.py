@@ -10,6 +10,7 @@ multiply-add; a causal S x L prefill has S * L * (L + 1) / 2 visible pairs.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -186,6 +187,23 @@ def kvjax_fn(spec, impl: str, max_query_len, interpret=None, **kw):
                                    block_table=bt, max_query_len=max_query_len, impl=impl,
                                    interpret=interpret, **kw)
   return f
+
+
+@contextlib.contextmanager
+def ragged_read(read: str):
+  """Within: the Mosaic GPU ragged kernel reads every quantized cache it can the way ``read``
+  says ("copy": through a plain copy of the pages; "direct": as stored, where
+  ``direct_reason`` allows), whatever its tuning table's default; for jitting under it."""
+  from pallas_kernels.mosaic_gpu import ragged_attention as RA   # noqa: PLC0415
+  from pallas_kernels.mosaic_gpu import tuning as MT   # noqa: PLC0415
+  saved = MT.RAGGED_DIRECT
+  MT.RAGGED_DIRECT = frozenset(
+      cd for cd in FORMATS if read == "direct"
+      and RA.direct_reason(format_spec(cd), jnp.bfloat16) is None)
+  try:
+    yield
+  finally:
+    MT.RAGGED_DIRECT = saved
 
 
 def impl_reason(spec, q_dtype, impl: str):

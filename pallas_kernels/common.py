@@ -29,6 +29,16 @@ def gpu_sm_count(default: int) -> int:
   return int(getattr(gpus[0], "core_count", 0) or default)
 
 
+def gpu_device_kind() -> str:
+  """This process's first GPU's ``device_kind`` (e.g. "NVIDIA H200"), "" without one.
+  Selects the per-GPU rows of the tuning tables."""
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    return ""
+  return str(getattr(gpus[0], "device_kind", ""))
+
+
 @functools.cache
 def triton_lowering_available() -> bool:
   """Whether this JAX has Pallas' Triton lowering (deprecated in JAX 0.11): the Mosaic GPU

@@ -32,6 +32,7 @@ GROUPS = {
                "tests/test_fast_paths.py"],
     "attention": ["tests/test_op_attention.py", "tests/test_op_read.py"],
     "mosaic": ["tests/test_mosaic_gpu.py", "tests/test_mosaic_gpu_rotation.py",
+               "tests/test_mosaic_gpu_direct.py",
                "tests/test_mosaic_gpu_decode.py",
                "tests/test_mosaic_gpu_write.py", "tests/test_mosaic_gpu_variants.py",
                "tests/test_registry.py"],

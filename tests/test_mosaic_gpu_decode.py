@@ -221,10 +221,16 @@ def test_auto_rule_for_decode_batches():
                       ("int4_per_token_head", "NHD")):
     spec = kvjax.KVCacheSpec(8, 128, 16, fmt, layout=layout, dtype=BF16)
     why = MA.prefer_attention(spec, BF16, call(64, 64, 1))
-    assert (why is None) == ((spec.cache_dtype, layout) in MT.AUTO_DECODE), (fmt, layout, why)
+    assert (why is None) == ((spec.cache_dtype, layout) in MT.auto_decode()), (fmt, layout,
+                                                                                 why)
     if why is not None:
       assert f"faster on {spec.cache_dtype} {layout}" in why
   assert {("fp8_per_token_head", "NHD"), ("int8_per_token_head", "NHD")} <= MT.AUTO_DECODE
+  # per GPU: the H200's own measurements; other GPUs the default
+  h200 = MT.auto_decode("NVIDIA H200")
+  assert ("fp8_per_token_head", "NHD") in h200 and ("int8_per_token_head", "NHD") not in h200
+  assert MT.auto_decode("NVIDIA H100 80GB HBM3") == MT.AUTO_DECODE
+  assert MT.auto_decode("") == MT.AUTO_DECODE
   nvfp4 = kvjax.KVCacheSpec(8, 128, 16, "nvfp4", layout="HND")
   assert ("faster on nvfp4 HND" if JAX_VERSION >= (0, 11) else "jax >= 0.11") in \
       MA.prefer_attention(nvfp4, BF16, call(64, 64, 1))

@@ -5,8 +5,11 @@ Rows match a codec's facts (:mod:`kvjax.adapters`): plain rows (values stored as
 per-tensor scales, rows of one-byte values (int8 / fp8) each ending in its float32 scale and
 rows of int4 codes ending in a scale with a zero point (:mod:`.row_formats`), and nvfp4's
 sides of e2m1 codes with a scale per 16 values (:mod:`.group_formats`).
-The decode kernel reads these formats directly; the ragged kernel reads the first two and
-every other format through a plain copy of the batch's pages (:mod:`kvjax.plain_copy`).
+The decode kernel reads these formats directly. The ragged kernel reads plain rows as they
+are, fp8 rows with per-tensor scales as stored (its producer converting each step,
+:mod:`.ragged_landing`) or through a plain copy of the batch's pages
+(:mod:`kvjax.plain_copy`; ``tuning.RAGGED_DIRECT`` says which), and every other format through
+the plain copy.
 """
 from __future__ import annotations
 

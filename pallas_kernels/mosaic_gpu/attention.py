@@ -34,10 +34,11 @@ def prefer_attention(spec, q_dtype, call):
   """The auto rule (registry ``prefer``): None when ``auto`` should take Mosaic GPU.
 
   Decode batches the decode kernel runs: the formats and layouts where it is faster than the
-  Triton decode kernel (:data:`.tuning.AUTO_DECODE`). Other batches: the ragged kernel's rule
-  (:func:`.ragged_attention.prefer_attention`). Without Pallas' Triton lowering (a JAX that
-  has removed it) every call the kernels support: the rules compare them with Triton
-  kernels that no longer run, and the next candidate is the XLA attention."""
+  Triton decode kernel on this GPU (:func:`.tuning.auto_decode`). Other batches: the ragged
+  kernel's rule (:func:`.ragged_attention.prefer_attention`). Without Pallas' Triton
+  lowering (a JAX that has removed it) every call the kernels support: the rules compare
+  them with Triton kernels that no longer run, and the next candidate is the XLA
+  attention."""
   if not triton_lowering_available():
     return None
   if call is not None and RB.is_decode_batch(call.num_tokens, call.num_seqs,
@@ -45,7 +46,7 @@ def prefer_attention(spec, q_dtype, call):
     why = decode_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
     if why is not None:
       return f"decode batch: {why}"
-    if (spec.cache_dtype, spec.layout) in MT.AUTO_DECODE:
+    if (spec.cache_dtype, spec.layout) in MT.auto_decode():
       return None
     return (f"decode batch: the Triton decode kernel is faster on {spec.cache_dtype} "
             f"{spec.layout} (measured)")

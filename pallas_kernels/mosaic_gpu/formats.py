@@ -84,6 +84,10 @@ class Operands:
   #: Whether the kernel computes in another order of the head dim than the cache's
   #: (:meth:`q_operand` and :meth:`output` permute it).
   reorders_dims: ClassVar[bool] = False
+  #: Whether the ragged (prefill) kernel reads this format's pages as they are stored: its
+  #: producer warpgroup turns each landed step into plain K/V with :meth:`plain_values`
+  #: (:mod:`.ragged_landing`); otherwise it reads a plain copy of the batch's pages.
+  ragged_direct: ClassVar[bool] = False
 
   def landing(self, stages: int, rows: int, cols: int, tiled, side: int = 0):
     """One side's (0: K, 1: V) TMA slots ``(stages, rows, cols)``; ``tiled(shape, dtype,
@@ -168,6 +172,13 @@ class Operands:
     """q in the compute dtype (:func:`pallas_kernels.common.as_operand`)."""
     return as_operand(q, self.compute)
 
+  def plain_values(self, rows_ref, scale, dtype):
+    """A ``(64, 64)`` chunk of one side's landed step as a plain cache of ``dtype`` holds it,
+    in the WGMMA register layout: the stored values times ``scale`` (a float32 scalar: the
+    side's tensor scale) in float32, rounded once to ``dtype``, as
+    :func:`kvjax.plain_copy.plain_pages` gives them. For :attr:`ragged_direct` formats."""
+    raise NotImplementedError(f"{type(self).__name__} has no direct ragged read")
+
 
 def even_odd(x, odd_factor: float = 1.0):
   """``x [..., D]`` in the order ``[even dims | odd dims * odd_factor]`` (the order of kernels
@@ -222,8 +233,17 @@ class Fp8Operands(Operands):
     x = load_whole(slot_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(self.compute)
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
+  ragged_direct: ClassVar[bool] = True
+
   def k_operand(self, slot_ref):
     return self._to_f16(slot_ref)
 
   def v_values(self, slot_ref):
     return self._to_f16(slot_ref)
+
+  def plain_values(self, rows_ref, scale, dtype):
+    from jax.experimental.pallas import mosaic_gpu as plgpu   # noqa: PLC0415
+    from pallas_kernels.mosaic_gpu.compat import load_whole   # noqa: PLC0415
+    x = load_whole(rows_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+    x = (x.astype(jnp.float32) * scale).astype(dtype)      # e4m3 / e5m2 are exact in f16
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)

@@ -45,6 +45,10 @@ through the output staging buffer (the one q is staged in when q has none of its
 stores of power-of-two row counts, so only the tile's real tokens are written (tiles of other
 sequences own the rest); the next item's q or output waits until the stores have read it.
 
+A quantized format read as stored (``st.ops``, :mod:`.ragged_landing`): the producer copies
+each step's bytes into a landing slot per side, converts them into the plain K/V slots and
+arrives on their barriers itself; the consumers run as on a plain cache.
+
 A rotated format (``st.rotation``: int4 per token-head, read through a plain copy in its
 stored frame) takes q and gives its output in the model's frame: the block copies the
 rotation's ``(D, D)`` matrix into shared memory once, each consumer multiplies its staged q
@@ -66,6 +70,7 @@ from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu.compat import interpret_params, load_whole
 from pallas_kernels.mosaic_gpu.kernel_statics import (SWIZZLE_ELEMS as _SWIZZLE_ELEMS,
                                                       KernelStatics)
+from pallas_kernels.mosaic_gpu.ragged_landing import landing_scratch, produce_item
 from pallas_kernels.mosaic_gpu.ragged_parts import (accumulate_pv, rotate_rows, store_output,
                                                     unrotate_rows)
 from pallas_kernels.mosaic_gpu.work_items import for_each_item as _for_each_item
@@ -76,11 +81,13 @@ _M_INIT = -1e30   # running max before any key: finite, so exp2(m_old - m_new) i
 _SWIZZLE = 128    # bytes: the widest wgmma swizzle; 64 bf16 columns per tile row
 
 
-def _smem_tiled(shape, dtype):
-  """A shared-memory buffer in the layout wgmma reads: (8, 64)-element tiles, 128B swizzle."""
-  cols = _SWIZZLE // jnp.dtype(dtype).itemsize
+def _smem_tiled(shape, dtype, swizzle=None):
+  """A shared-memory buffer in the layout wgmma reads: (8, swizzle / itemsize)-element tiles,
+  by default the 128-byte swizzle (64 columns of 16 bits)."""
+  swizzle = swizzle or _SWIZZLE
+  cols = swizzle // jnp.dtype(dtype).itemsize
   return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
-                                              plgpu.SwizzleTransform(_SWIZZLE)))
+                                              plgpu.SwizzleTransform(swizzle)))
 
 
 def _kv_box(cache_ref, st: KernelStatics, blk, h, off, n, side):
@@ -91,10 +98,10 @@ def _kv_box(cache_ref, st: KernelStatics, blk, h, off, n, side):
   return cache_ref.at[blk, h, pl.ds(off, n), cols]
 
 
-def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, rt_ref, q_ref, cache_ref, o_ref, scratch,
-            *, st: KernelStatics):
+def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, rt_ref, ts_ref, q_ref, cache_ref, o_ref,
+            scratch, *, st: KernelStatics):
   ((q_smem, o_smem, k_smem, v_smem, p_smem, qs_smem), q_bars, (k_bars, v_bars),
-   (k_free, v_free), sched_bar, (rt_smem, rt_bar)) = scratch
+   (k_free, v_free), sched_bar, (rt_smem, rt_bar), (landing, land_bars)) = scratch
   geo = st.geo
   g_count, bq, bk, d = geo.group, geo.bq, geo.block_kv, st.head_size
   cast = plgpu.layout_cast
@@ -291,12 +298,18 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, rt_ref, q_ref, cache_ref, o_
           ids.append(jnp.clip(bt_ref[t.bt_row + page], 0, st.num_blocks - 1))
         return ids
 
-      def issue(j, slot, side, bars, ids):
+      def issue(j, dst, bar, side, ids):
+        """TMA copies of step j's K (side 0) or V (1) into the ``(block_kv, D)`` slot dst."""
         for p, blk in enumerate(ids):
           off = lax.rem(j * bk + p * piece, geo.block_size)
           src = _kv_box(cache_ref, st, blk, t.h, off, piece, side)
-          dst = (k_smem if side == 0 else v_smem).at[slot, pl.ds(p * piece, piece)]
-          plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
+          plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(p * piece, piece)], bar)
+
+      if st.ops is not None:            # a quantized cache read as stored: ragged_landing
+        refs = (ts_ref, landing, land_bars, (k_smem, v_smem), (k_bars, v_bars),
+                (k_free, v_free))
+        produce_item(t, base, st, refs, block_ids, issue)
+        return base + t.num_steps
 
       @pl.loop(t.j_lo, t.j_hi)
       def _steps(j):
@@ -307,12 +320,12 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, rt_ref, q_ref, cache_ref, o_
         @pl.when(n >= geo.stages)
         def _():
           plgpu.barrier_wait(k_free.at[slot])
-        issue(j, slot, 0, k_bars, ids)
+        issue(j, k_smem.at[slot], k_bars.at[slot], 0, ids)
 
         @pl.when(n >= geo.stages)
         def _():
           plgpu.barrier_wait(v_free.at[slot])
-        issue(j, slot, 1, v_bars, ids)
+        issue(j, v_smem.at[slot], v_bars.at[slot], 1, ids)
       return base + t.num_steps
 
     total = _for_each_item(st, item, jnp.int32(0))
@@ -325,7 +338,7 @@ def _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, rt_ref, q_ref, cache_ref, o_
 
 
 def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
-                          st: KernelStatics, rt=None):
+                          st: KernelStatics, rt=None, tensor_scales=None):
   """Launch the kernel.
 
   meta: int32 ``[META_ROWS, num_tiles]`` (:func:`tiles.tile_metadata`); block_table_flat:
@@ -334,16 +347,19 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
   then), else None; q:
   ``[T, Hq, D]``; cache: the physical cache; rt: with ``st.rotation``, the rotation's
   ``(D, D)`` matrix in q's dtype (:meth:`kvjax.rotation.Rotation.products`; q is then in the
-  model's frame, and so is the output), else None. With ``st.interpret`` the kernel runs on CPU in
-  Mosaic GPU interpret mode (warpgroups as threads, simulated TMA and barriers). Returns
-  ``[T, Hq, D]`` in q's dtype.
+  model's frame, and so is the output), else None; tensor_scales: with ``st.ops`` (the cache
+  read as stored, :mod:`.ragged_landing`) float32 ``[2, H]``, else None. With
+  ``st.interpret`` the kernel runs on CPU in Mosaic GPU interpret mode (warpgroups as
+  threads, simulated TMA and barriers). Returns ``[T, Hq, D]`` in q's dtype.
   """
   geo = st.geo
   d = st.head_size
   q_copies = st.stage_chunks or 1     # per slab
   q_bars = tuple(plgpu.Barrier(num_arrivals=q_copies * len(geo.slabs(w)))
                  for w in range(geo.num_wgs))
-  kv_bars = plgpu.Barrier(num_arrivals=geo.pieces_per_step, num_barriers=geo.stages)
+  # a plain cache's K/V slots fill by TMA copies; a converted format's by the producer
+  kv_bars = plgpu.Barrier(num_arrivals=1 if st.ops is not None else geo.pieces_per_step,
+                          num_barriers=geo.stages)
   free_bars = plgpu.Barrier(num_arrivals=geo.num_wgs, num_barriers=geo.stages)
   staging = (plgpu.SMEM((geo.num_wgs, st.stage_chunks, TL.WG_ROWS, _SWIZZLE_ELEMS),
                         st.dtype, transforms=(plgpu.SwizzleTransform(_SWIZZLE),))
@@ -362,20 +378,27 @@ def ragged_attention_call(meta, block_table_flat, sinks, scale, q, cache, *,
   rotation = ((_smem_tiled((d, d), st.dtype), plgpu.Barrier(num_arrivals=1)) if st.rotation
               else (None, None))
 
+  if (st.ops is not None) != (tensor_scales is not None):
+    raise ValueError(f"the tensor scales operand goes with a cache read as stored "
+                     f"(st.ops={st.ops})")
+  landing = landing_scratch(st, _smem_tiled)
+
   traced = st.scale is None     # the scale operand exists only then
   extra = (scale,) if traced else ()
   extra += (rt,) if st.rotation else ()
+  extra += (tensor_scales,) if st.ops is not None else ()
 
   def kvjax_mgpu_ragged(meta_ref, bt_ref, sinks_ref, *refs):
     refs = list(refs)
     scale_ref = refs.pop(0) if traced else None
     rt_ref = refs.pop(0) if st.rotation else None
+    ts_ref = refs.pop(0) if st.ops is not None else None
     q_ref, cache_ref, o_ref = refs
     pl.run_scoped(
-        lambda *scratch: _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, rt_ref, q_ref,
+        lambda *scratch: _kernel(meta_ref, bt_ref, sinks_ref, scale_ref, rt_ref, ts_ref, q_ref,
                                  cache_ref, o_ref, scratch, st=st),
         smem, q_bars, (kv_bars, kv_bars), (free_bars, free_bars), sched_bar, rotation,
-        collective_axes="wg")
+        landing, collective_axes="wg")
 
   return plgpu.kernel(
       kvjax_mgpu_ragged,

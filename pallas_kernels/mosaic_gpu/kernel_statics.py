@@ -38,6 +38,9 @@ class KernelStatics:
   out_factor: Optional[float] = None  # with the rotation's matrix operand: the kernel
                                       # rotates q and un-rotates its output (x this factor)
                                       # itself (Rotation.products); None: no rotation
+  ops: object = None         # a quantized format's hooks (formats.Operands) when the
+                             # kernel reads its pages as stored (ragged_landing); None: the
+                             # cache is plain (q's dtype)
 
   @property
   def rotation(self) -> bool:
@@ -63,6 +66,12 @@ class KernelStatics:
     return self.registers or default_registers(self.geo.num_wgs)
 
   @property
+  def landing(self) -> int:
+    """Bytes of one side's stored key row as it lands before conversion (0: a plain cache,
+    copied straight into the K/V slots)."""
+    return 0 if self.ops is None else landing_bytes(self.ops, self.head_size)
+
+  @property
   def num_items(self) -> int:
     """Work items: one per (KV head, query tile)."""
     return self.num_kv_heads * self.num_tiles
@@ -77,6 +86,12 @@ class KernelStatics:
   def grid_size(self) -> int:
     """CUDA blocks launched: ``num_programs`` (at most one per work item), or one per item."""
     return min(self.num_programs or self.num_items, self.num_items)
+
+
+def landing_bytes(ops, head_size: int) -> int:
+  """Bytes of one side's stored key row of a format read as stored (``ops``: its
+  :class:`.formats.Operands`; None: 0)."""
+  return 0 if ops is None else ops.landing_cols(head_size) * ops.storage.itemsize
 
 
 #: Registers of the block's threads together: 64 K per SM, one block per SM.

@@ -25,11 +25,17 @@ from pallas_kernels import ragged_schedule as sched
 from pallas_kernels.common import static_or_none
 from pallas_kernels.mosaic_gpu import tiles as TL
 from pallas_kernels.mosaic_gpu import tuning as MT
+from pallas_kernels.mosaic_gpu.adapters import ADAPTERS
 from pallas_kernels.mosaic_gpu.compat import JAX_VERSION
+from pallas_kernels.mosaic_gpu.kernel_statics import landing_bytes
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 SUPPORTED_Q_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 MIN_JAX = (0, 11)
+#: How the kernel reads a quantized cache: through a plain copy of the batch's pages
+#: (:mod:`kvjax.plain_copy`), or as stored, its producer converting each step
+#: (:mod:`.ragged_landing`, formats whose hooks say ``ragged_direct``).
+READS = ("copy", "direct")
 
 
 def _gpu_reason() -> str | None:
@@ -54,7 +60,8 @@ def spec_reason(spec: KVCacheSpec, q_dtype, group: int | None = None) -> str | N
   """Why the kernel cannot take this spec / q dtype / GQA group (None: it can). Device-free.
 
   The kernel reads plain 16-bit caches in q's dtype; every other format (quantized, scaled)
-  it reads through a plain copy of the batch's pages in q's dtype (:mod:`kvjax.plain_copy`)."""
+  through a plain copy of the batch's pages in q's dtype (:mod:`kvjax.plain_copy`) or, where
+  :func:`direct_reason` allows, as stored (``read="direct"``)."""
   if not isinstance(spec, KVCacheSpec):
     return f"spec must be a kvjax.KVCacheSpec, got {type(spec).__name__}"
   if np.dtype(q_dtype) not in SUPPORTED_Q_DTYPES:
@@ -70,6 +77,34 @@ def spec_reason(spec: KVCacheSpec, q_dtype, group: int | None = None) -> str | N
     return (f"GQA group {group}: the kernel packs at most {TL.max_group(spec.head_size)} query "
             f"heads per KV head at head size {spec.head_size}")
   return None
+
+
+def direct_reason(spec: KVCacheSpec, q_dtype) -> str | None:
+  """None when the kernel can read ``spec``'s quantized pages as stored (``read="direct"``),
+  else why not. Device-free."""
+  if PC.is_plain(spec):
+    return "the cache is plain: the kernel reads it as stored anyway"
+  hooks = ADAPTERS.hooks(spec.codec)
+  if hooks is None or not hooks.ragged_direct:
+    return f"cache_dtype={spec.cache_dtype!r} is read through a plain copy of its pages"
+  return hooks.reason(spec, q_dtype)
+
+
+def _direct_operands(spec: KVCacheSpec, q_dtype, read):
+  """The format hooks when the kernel reads ``spec``'s pages as stored, else None (a plain
+  cache, or ``read`` "copy"); ``read`` None: :data:`.tuning.RAGGED_DIRECT`'s choice."""
+  if PC.is_plain(spec):
+    return None
+  if read is None:
+    read = "direct" if spec.cache_dtype in MT.RAGGED_DIRECT else "copy"
+  if read not in READS:
+    raise ValueError(f"read must be one of {READS} or None, got {read!r}")
+  if read == "copy":
+    return None
+  why = direct_reason(spec, q_dtype)
+  if why is not None:
+    raise ValueError(f"read='direct': {why}")
+  return ADAPTERS.hooks(spec.codec).of(spec, q_dtype)
 
 
 def supports_attention(spec, q_dtype) -> str | None:
@@ -92,8 +127,8 @@ def prefer_attention(spec, q_dtype, call) -> str | None:
   """The auto rule (registry ``prefer``): None when ``auto`` should take this kernel.
 
   Yes for a batch with a static ``max_query_len >= tuning.AUTO_MIN_QUERY_LEN`` and a GQA group
-  the kernel packs; on a quantized cache only where the plain copy of its pages pays
-  (:func:`kvjax.plain_copy.worth_a_plain_copy`)."""
+  the kernel packs; on a quantized cache it reads through a plain copy only where the copy
+  pays (:func:`kvjax.plain_copy.worth_a_plain_copy`)."""
   if call is None or call.max_query_len is None:
     return ("auto takes it only for a static max_query_len >= "
             f"{MT.AUTO_MIN_QUERY_LEN} (the call gives none)")
@@ -103,7 +138,8 @@ def prefer_attention(spec, q_dtype, call) -> str | None:
   reason = spec_reason(spec, q_dtype, call.num_q_heads // spec.num_kv_heads)
   if reason is not None:
     return reason
-  if not PC.is_plain(spec) and not PC.worth_a_plain_copy(
+  direct = spec.cache_dtype in MT.RAGGED_DIRECT and direct_reason(spec, q_dtype) is None
+  if not PC.is_plain(spec) and not direct and not PC.worth_a_plain_copy(
       spec, q_dtype, call.num_tokens, call.num_seqs, call.max_blocks):
     return (f"cache_dtype={spec.cache_dtype!r}: too few query tokens for a plain copy of the "
             "pages to pay")
@@ -113,7 +149,7 @@ def prefer_attention(spec, q_dtype, call) -> str | None:
 def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
                            block_table, scale, causal=True, sliding_window=None, soft_cap=None,
                            sinks=None, k_scale=None, v_scale=None, max_query_len=None,
-                           interpret=False, pv=None, model_frame=False):
+                           interpret=False, pv=None, model_frame=False, read=None):
   """Ragged paged attention; arguments as :func:`kvjax.reference.unified_attention`.
 
   Args:
@@ -124,7 +160,7 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
     scale: softmax scale (a float or a traced scalar). causal, sliding_window, soft_cap:
       static.
     sinks: float32 ``[Hq]`` per-query-head sink logits or None.
-    k_scale, v_scale: global scales of a quantized cache (read through a plain copy).
+    k_scale, v_scale: global scales of a quantized cache.
     max_query_len: static bound on every sequence's query length (None = T); its power-of-two
       bucket sets the tile's token count.
     interpret: run in Mosaic GPU interpret mode on CPU (jax >= 0.11; slow, small shapes).
@@ -136,6 +172,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       format's rotation (``spec.codec.rotation``) to each q tile and un-rotates each output
       tile itself where its matrix fits in shared memory (head sizes 64 and 128), else the
       rotation's own ops run around it. ``scale`` is the rotated frame's either way.
+    read: how a quantized cache is read, one of :data:`READS` (None: the measured choice,
+      :data:`.tuning.RAGGED_DIRECT`); the output is the same either way.
   Returns:
     ``[T, Hq, D]`` in q's dtype; padding tokens and rows with no visible key are 0.
   """
@@ -143,7 +181,8 @@ def ragged_paged_attention(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_
       q, cache, spec, query_start_loc=query_start_loc, seq_lens=seq_lens,
       block_table=block_table, scale=scale, causal=causal, sliding_window=sliding_window,
       soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-      max_query_len=max_query_len, interpret=interpret, pv=pv, model_frame=model_frame)
+      max_query_len=max_query_len, interpret=interpret, pv=pv, model_frame=model_frame,
+      read=read)
 
 
 def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc, seq_lens,
@@ -154,13 +193,14 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
                                  ping_pong: bool = True, num_programs: int | None = None,
                                  staging: str | None = None,
                                  registers: tuple[int, int] | None = None,
-                                 model_frame: bool = False):
+                                 model_frame: bool = False, read: str | None = None):
   """:func:`ragged_paged_attention` with the tile geometry chosen by the caller (None: by
   :func:`tiles.choose_geometry`), the ping-pong schedule of two consumer warpgroups
   switchable (``kernel.py``), the number of CUDA blocks (None: :func:`.tuning.num_programs`;
   0: one per work item), how q and the output pass through shared memory (None:
   :func:`tiles.choose_staging`; one of ``tiles.STAGINGS``) and the (consumer, producer)
-  registers a thread (None: ``kernel.default_registers``), for benchmark sweeps."""
+  registers a thread (None: ``kernel.default_registers``), for benchmark sweeps; ``read`` as
+  :func:`ragged_paged_attention`'s."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   t, hq, d = q.shape
   if d != spec.head_size:
@@ -175,7 +215,11 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       spec, q.dtype, hq, t, max_query_len, pv, interpret, geometry)
   if around:                           # the rotation's ops around the kernel
     q, products = rotation.rotate_q(q), None
-  if not PC.is_plain(spec):            # read through a plain copy in q's dtype
+  ops = _direct_operands(spec, q.dtype, read)
+  tensor_scales = None
+  if ops is not None:                  # read as stored, converted in the kernel
+    tensor_scales = spec.codec.tensor_scales(k_scale, v_scale, spec.num_kv_heads)
+  elif not PC.is_plain(spec):          # read through a plain copy in q's dtype
     cache, spec, block_table = PC.plain_pages(cache, spec, block_table, k_scale, v_scale,
                                               dtype=q.dtype)
   max_blocks = block_table.shape[1]
@@ -186,14 +230,15 @@ def ragged_paged_attention_tiled(q, cache, spec: KVCacheSpec, *, query_start_loc
       interpret=interpret, pv=pv, geometry=geometry, ping_pong=ping_pong,
       num_programs=MT.num_programs(interpret) if num_programs is None else int(num_programs),
       staging=staging, registers=registers,
-      out_factor=None if products is None else products[1])
+      out_factor=None if products is None else products[1], ops=ops)
   meta = TL.tile_metadata(query_start_loc, seq_lens, max_blocks, t, st.num_tiles, st.geo.bq)
   sk = (jnp.zeros((hq,), jnp.float32) if sinks is None
         else jnp.asarray(sinks, jnp.float32).reshape(hq))
   traced_scale = None if st.scale is not None else jnp.asarray(scale, jnp.float32).reshape(1)
   rt = None if products is None else jnp.asarray(products[0], q.dtype)
   out = K.ragged_attention_call(meta, block_table.astype(jnp.int32).reshape(-1), sk,
-                                traced_scale, q, cache, st=st, rt=rt)
+                                traced_scale, q, cache, st=st, rt=rt,
+                                tensor_scales=tensor_scales)
   return rotation.unrotate_out(out) if around else out
 
 
@@ -223,31 +268,34 @@ def ragged_statics(spec: KVCacheSpec, q_dtype, num_tokens: int, num_heads: int,
                    max_query_len=None, interpret=False, pv=None,
                    geometry: TL.TileGeometry | None = None, ping_pong: bool = True,
                    num_programs: int = 0, staging: str | None = None, registers=None,
-                   out_factor: float | None = None):
+                   out_factor: float | None = None, ops=None):
   """The ragged kernel's statics (:class:`.kernel_statics.KernelStatics`) for one call
   shape: T tokens of Hq heads in S sequences over a plain cache of B blocks, block tables
   of width M; ``scale`` a float (None: the kernel reads it from an operand), the tile from
   ``max_query_len``'s power-of-two bucket (None: T); ``out_factor``: the kernel rotates q and
-  un-rotates its output (:meth:`kvjax.rotation.Rotation.products`). Raises ValueError naming
-  what the kernel cannot take."""
+  un-rotates its output (:meth:`kvjax.rotation.Rotation.products`); ``ops``: the format's
+  hooks when the kernel reads the cache as stored (:func:`_direct_operands`), else None (a
+  plain cache). Raises ValueError naming what the kernel cannot take."""
   from pallas_kernels.mosaic_gpu import kernel as K   # imports Mosaic GPU only when used
   h, d = spec.num_kv_heads, spec.head_size
   group, pv = _checked(spec, q_dtype, num_heads, pv, interpret)
   mql = _bucket(num_tokens, max_query_len)
   itemsize = np.dtype(q_dtype).itemsize
   rotation = out_factor is not None
+  landing = landing_bytes(ops, d)
   geo = geometry or TL.choose_geometry(group, d, spec.block_size, mql, itemsize, pv,
-                                       rotation=rotation)
+                                       rotation=rotation, landing=landing)
   if staging is None:
-    staging = TL.choose_staging(geo, d, itemsize, pv, interpret, rotation=rotation)
+    staging = TL.choose_staging(geo, d, itemsize, pv, interpret, rotation=rotation,
+                                landing=landing)
   if geo.group != group or geo.block_size != spec.block_size:
     raise ValueError(f"geometry {geo} does not match group {group} / block size "
                      f"{spec.block_size}")
-  need = geo.smem_bytes(d, itemsize, pv, staging, rotation)
+  need = geo.smem_bytes(d, itemsize, pv, staging, rotation, landing)
   if need > TL.SMEM_BUDGET:
     raise ValueError(f"geometry {geo} needs {need} bytes of shared memory with pv={pv!r}, "
-                     f"staging={staging!r}, rotation={rotation}; the budget is "
-                     f"{TL.SMEM_BUDGET}")
+                     f"staging={staging!r}, rotation={rotation}, landing={landing}; the "
+                     f"budget is {TL.SMEM_BUDGET}")
   # q and out move through untiled shared memory: a tile may start at any token, T need not
   # be a multiple of 8 (the kernel's q boxes past T read zeros, its stores stop at T).
   return K.KernelStatics(
@@ -258,7 +306,7 @@ def ragged_statics(spec: KVCacheSpec, q_dtype, num_tokens: int, num_heads: int,
       scale=scale, dtype=np.dtype(q_dtype), interpret=bool(interpret), pv=pv,
       ping_pong=bool(ping_pong), num_programs=int(num_programs), staging=staging,
       registers=None if registers is None else tuple(registers),
-      out_factor=None if out_factor is None else float(out_factor))
+      out_factor=None if out_factor is None else float(out_factor), ops=ops)
 
 
 def _checked(spec: KVCacheSpec, q_dtype, num_heads: int, pv, interpret):

@@ -61,6 +61,7 @@ class RowScaledOperands(Fp8Operands):
   convert to :func:`code_compute`'s dtype (every value is exact in it).
   """
   row_scaled: ClassVar[bool] = True
+  ragged_direct: ClassVar[bool] = False    # rows off 16-byte boundaries: a plain copy
   values: Optional[np.dtype] = None
 
   @classmethod

@@ -145,16 +145,19 @@ class TileGeometry:
     return tuple(out)
 
   def smem_bytes(self, head_size: int, itemsize: int, pv: str = DEFAULT_PV,
-                 staging: str = STAGING_SWIZZLED, rotation: bool = False) -> int:
+                 staging: str = STAGING_SWIZZLED, rotation: bool = False,
+                 landing: int = 0) -> int:
     """Shared memory of the kernel's buffers: q, out staging, K and V slots, the P buffers of
     the variants that pass P through shared memory, q's own staging buffer with
-    ``staging`` :data:`STAGING_Q_OWN`, and with ``rotation`` the ``(D, D)`` matrix of the
-    format's rotation (:meth:`kvjax.rotation.Rotation.products`)."""
+    ``staging`` :data:`STAGING_Q_OWN`, with ``rotation`` the ``(D, D)`` matrix of the
+    format's rotation (:meth:`kvjax.rotation.Rotation.products`), and with ``landing`` (the
+    bytes of one side's stored key row) the K and V slots a quantized step lands in before
+    the producer converts it (:mod:`.ragged_landing`)."""
     q_and_out = (3 if staging == STAGING_Q_OWN else 2) * self.rows * head_size * itemsize
     kv = 2 * self.stages * self.block_kv * head_size * itemsize
     p = 0 if pv == PV_REGS else self.rows * self.block_kv * itemsize
     matrix = head_size * head_size * itemsize if rotation else 0
-    return q_and_out + kv + p + matrix
+    return q_and_out + kv + p + matrix + 2 * self.block_kv * landing
 
 
 #: Hopper: 227 KiB of shared memory per block, less 3 KiB for what Mosaic GPU adds to the
@@ -171,13 +174,14 @@ def max_group(head_size: int) -> int:
 
 def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: int,
                     itemsize: int = 2, pv: str = DEFAULT_PV,
-                    rotation: bool = False) -> TileGeometry:
+                    rotation: bool = False, landing: int = 0) -> TileGeometry:
   """The tile for a call: the largest power-of-two ``bq`` with ``G * bq <= 128`` rows, cut
   to the max_query_len bucket (>= 8); one consumer warpgroup when 64 rows hold the tile
   (decode-sized buckets, head size 256); 128 keys a step (64 for head size 256), as many
   K/V slots (<= 4) as fit in shared memory next to the ``pv`` variant's buffers (and the
-  rotation's matrix with ``rotation``; the result may not fit: :meth:`TileGeometry.smem_bytes`
-  says). K/V copies are ``gcd(block_size, block_kv)`` tokens each."""
+  rotation's matrix with ``rotation`` and a quantized step's landing slots with ``landing``;
+  the result may not fit: :meth:`TileGeometry.smem_bytes` says). K/V copies are
+  ``gcd(block_size, block_kv)`` tokens each."""
   if not 1 <= group <= max_group(head_size):
     raise ValueError(f"GQA group size {group} is outside [1, {max_group(head_size)}] at head "
                      f"size {head_size}")
@@ -189,7 +193,8 @@ def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: 
   stages = 4
   while stages > 2:
     geo = TileGeometry(group, bq, num_wgs, block_kv, stages, block_size)
-    if geo.smem_bytes(head_size, itemsize, pv, rotation=rotation) <= SMEM_BUDGET:
+    if geo.smem_bytes(head_size, itemsize, pv, rotation=rotation,
+                      landing=landing) <= SMEM_BUDGET:
       return geo
     stages -= 1
   return TileGeometry(group, bq, num_wgs, block_kv, stages, block_size)
@@ -197,7 +202,7 @@ def choose_geometry(group: int, head_size: int, block_size: int, max_query_len: 
 
 def choose_staging(geo: TileGeometry, head_size: int, itemsize: int = 2,
                    pv: str = DEFAULT_PV, interpret: bool = False,
-                   rotation: bool = False) -> str:
+                   rotation: bool = False, landing: int = 0) -> str:
   """How q and the output pass through shared memory (:data:`STAGINGS`): q in a buffer of
   its own wherever that buffer fits next to the tile's K/V slots (it costs none of them),
   else both in one swizzled buffer; interpret mode stages plainly (the form its simulator is
@@ -205,7 +210,7 @@ def choose_staging(geo: TileGeometry, head_size: int, itemsize: int = 2,
   (benchmarks/RESULTS.md, `mgpu-persistent`)."""
   if interpret:
     return STAGING_PLAIN
-  if geo.smem_bytes(head_size, itemsize, pv, STAGING_Q_OWN, rotation) <= SMEM_BUDGET:
+  if geo.smem_bytes(head_size, itemsize, pv, STAGING_Q_OWN, rotation, landing) <= SMEM_BUDGET:
     return STAGING_Q_OWN
   return STAGING_SWIZZLED
 

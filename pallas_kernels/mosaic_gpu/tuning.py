@@ -7,13 +7,25 @@ slots fit, the decode split count) live with the geometry (:mod:`.tiles`,
 """
 from __future__ import annotations
 
-from pallas_kernels.common import gpu_sm_count
+from pallas_kernels.common import gpu_device_kind, gpu_sm_count
 
 #: The (``cache_dtype``, layout) pairs whose decode batches ``auto`` gives the decode kernel;
-#: the Triton decode kernel runs the others (`mgpu-decode-rule`: the decode kernel is faster
-#: at every measured shape only on the per token-head formats int8 and fp8 in NHD; on int4 and
-#: nvfp4 it takes 1.2-1.6x the Triton kernel's time).
+#: the Triton decode kernel runs the others (`mgpu-decode-rule`, H100: the decode kernel is
+#: faster at every measured shape only on the per token-head formats int8 and fp8 in NHD; on
+#: int4 and nvfp4 it takes 1.2-1.6x the Triton kernel's time).
 AUTO_DECODE = frozenset({("fp8_per_token_head", "NHD"), ("int8_per_token_head", "NHD")})
+
+#: :data:`AUTO_DECODE` of the GPUs whose measurements differ, by a part of their
+#: ``device_kind`` (`mgpu-decode-rule`, H200: with its faster memory the Triton kernel is
+#: ahead on int8 per token-head NHD too; the decode kernel takes 1.01-1.19x its time).
+AUTO_DECODE_BY_GPU = {"H200": frozenset({("fp8_per_token_head", "NHD")})}
+
+
+def auto_decode(device_kind: str | None = None) -> frozenset:
+  """The :data:`AUTO_DECODE` pairs of a GPU (``device_kind``; None: this process's GPU's)."""
+  kind = gpu_device_kind() if device_kind is None else device_kind
+  return next((pairs for part, pairs in AUTO_DECODE_BY_GPU.items() if part in kind),
+              AUTO_DECODE)
 
 #: Key steps of 64 per softmax update of the decode kernel (1 or 2; formats whose view rows
 #: hold two tokens always take 2): `mgpu-decode-rounds`.
@@ -52,6 +64,12 @@ DEFAULT_PV = "p_regs"
 #: Swizzle (bytes) of the shared-memory slots fp8 K/V tiles land in: the 32-byte one, whose
 #: tiles the 4-byte upcast loads read (`mgpu-fp8-upcast`).
 FP8_LANDING_SWIZZLE = 32
+
+
+#: Formats (``cache_dtype``) whose ragged calls read the pages as stored, the producer
+#: converting each step (:mod:`.ragged_landing`); the others read a plain copy of the
+#: batch's pages (`mgpu-ragged-direct`).
+RAGGED_DIRECT = frozenset()
 
 
 def num_programs(interpret: bool) -> int:
