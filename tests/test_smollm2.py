@@ -116,8 +116,9 @@ def test_smollm2_step_lowers_for_cuda():
   scan over layers) lowers for CUDA here: nothing in it assumes a CPU (no extra needed)."""
   import kvjax
   model = _example_module("model")
-  cfg = _example_module("checkpoint").LlamaConfig(vocab=256, layers=2, d_model=576, ffn=256, num_q_heads=9, num_kv_heads=3,
-                    head_size=64, rope_theta=1e5, rms_eps=1e-5, bos_id=1, eos_id=2)
+  cfg = _example_module("checkpoint").LlamaConfig(
+      vocab=256, layers=2, d_model=576, ffn=256, num_q_heads=9, num_kv_heads=3, head_size=64,
+      rope_theta=1e5, rms_eps=1e-5, bos_id=1, eos_id=2)
   rng = np.random.default_rng(0)
   w = lambda *shape: rng.standard_normal(shape).astype(np.float32) * 0.05
   layers = dict(attn_norm=w(2, 576), mlp_norm=w(2, 576), wq=w(2, 576, 576), wk=w(2, 576, 192),
